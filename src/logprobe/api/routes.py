@@ -1,0 +1,148 @@
+"""HTTP routes. Thin: parse and check, hand over to the engine, format."""
+
+from __future__ import annotations
+
+import time
+
+import orjson
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from . import completions as cmpl
+from . import validation as v
+from .errors import InvalidRequest, ModelNotFound, RequestTooLarge
+
+router = APIRouter()
+CREATED = int(time.time())
+
+
+def _json(payload, status: int = 200) -> Response:
+    return Response(orjson.dumps(payload), status_code=status, media_type="application/json")
+
+
+async def read_json(request: Request) -> dict:
+    """The body as a JSON object, read under the body-size cap."""
+    limit = request.app.state.limits.max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise RequestTooLarge(f"The request body is {int(declared)} bytes, over this server's cap of "
+                              f"{limit} bytes (max_body_bytes).")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RequestTooLarge(f"The request body is over this server's cap of {limit} bytes "
+                                  "(max_body_bytes).")
+        chunks.append(chunk)
+    try:
+        body = orjson.loads(b"".join(chunks))
+    except orjson.JSONDecodeError:
+        raise InvalidRequest("We could not parse the JSON body of your request: it is not valid JSON. "
+                             "Send a JSON object with Content-Type: application/json.") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("The request body must be a JSON object.")
+    return body
+
+
+def resolve_model(request: Request, name: str | None, required: bool = True):
+    """The engine serving `name` (full name or alias); 404 for any other name."""
+    engine = request.app.state.engine
+    if name is None and not required:
+        return engine
+    if name == engine.info.name or name in engine.info.aliases:
+        return engine
+    raise ModelNotFound(name)
+
+
+def model_card(engine, limits) -> dict:
+    info = engine.info
+    return {
+        "id": info.name, "object": "model", "created": CREATED, "owned_by": "logprobe",
+        "aliases": info.aliases, "num_layers": info.num_layers, "d_model": info.d_model,
+        "vocab_size": info.vocab_size, "context_length": info.context_length, "max_model_len":
+        info.context_length, "dtype": info.dtype, "bos_token": info.bos_token, "eos_token": info.eos_token,
+        "adds_bos": info.adds_bos, "has_chat_template": info.has_chat_template,
+        "limits": {**limits.as_dict(), "context_length": info.context_length},
+    }
+
+
+@router.post("/v1/completions")
+async def create_completion(request: Request):
+    """OpenAI legacy completions with log probabilities of generated tokens (`logprobs`), of the
+    prompt (`echo` with `logprobs`, `prompt_logprobs`), and `usage` counting the BOS token."""
+    limits = request.app.state.limits
+    body = await read_json(request)
+    req = cmpl.parse_completion(body, limits)
+    engine = resolve_model(request, req.model)
+    prompts = cmpl.tokenize_prompts(engine, req)
+    cmpl.check_caps(engine, req, prompts, limits)
+    groups, echoes = cmpl.build_groups(engine, req, prompts, request.state.request_id)
+    needs_engine = req.params.max_tokens > 0 or req.params.needs_prompt_logits
+    if needs_engine:
+        await engine.run(groups)
+    else:
+        for g in groups:
+            for s in g.sequences:
+                s.finish_reason = cmpl.FinishReason.LENGTH
+    return _json(cmpl.format_response(engine, req, groups, echoes))
+
+
+@router.get("/v1/models")
+async def list_models(request: Request):
+    """The served model, as an OpenAI model list."""
+    return _json({"object": "list", "data": [model_card(request.app.state.engine, request.app.state.limits)]})
+
+
+@router.get("/v1/models/{model:path}")
+async def get_model(request: Request, model: str):
+    """The model card: aliases, layers, sizes, tokens and the size caps in force."""
+    engine = resolve_model(request, model)
+    return _json(model_card(engine, request.app.state.limits))
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request):
+    """Text -> token ids, with the model's special tokens unless `add_special_tokens` is false."""
+    body = await read_json(request)
+    v.check_known_fields(body, {"model", "prompt", "add_special_tokens"}, {})
+    engine = resolve_model(request, v.get_str(body, "model"), required=False)
+    prompt = v.get_str(body, "prompt", required=True)
+    add = v.get_bool(body, "add_special_tokens", True)
+    ids = engine.tokenizer(prompt, add_special_tokens=add).input_ids
+    return _json({"tokens": ids, "count": len(ids), "max_model_len": engine.info.context_length})
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request):
+    """Token ids -> text."""
+    body = await read_json(request)
+    v.check_known_fields(body, {"model", "tokens"}, {})
+    engine = resolve_model(request, v.get_str(body, "model"), required=False)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise v.type_error("tokens", "an array of integers", nullable=False)
+    vocab = engine.info.vocab_size
+    bad = [t for t in tokens if t < 0 or t >= vocab]
+    if bad:
+        raise InvalidRequest(f"Invalid value for 'tokens': token id {bad[0]} is outside the vocabulary "
+                             f"(0 to {vocab - 1}).", "tokens")
+    return _json({"prompt": engine.tokenizer.decode(tokens)})
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info(request: Request):
+    """What evaluation harnesses probe: special tokens, vocabulary size, context length."""
+    info = request.app.state.engine.info
+    tok = request.app.state.engine.tokenizer
+    return _json({
+        "model": info.name, "tokenizer_class": type(tok).__name__, "vocab_size": info.vocab_size,
+        "bos_token": info.bos_token, "bos_token_id": info.bos_token_id, "eos_token": info.eos_token,
+        "eos_token_id": info.eos_token_id, "pad_token": tok.pad_token, "add_bos_token": info.adds_bos,
+        "max_model_len": info.context_length, "chat_template": getattr(tok, "chat_template", None),
+    })
+
+
+@router.get("/health")
+async def health(request: Request):
+    """200 when the model is loaded and the engine runs."""
+    return _json({"status": "ok", "in_flight": request.app.state.engine.num_in_flight})

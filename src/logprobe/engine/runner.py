@@ -1,0 +1,82 @@
+"""The device work: prefill and decode forward passes over a transformers causal LM with a KV cache.
+
+Only the engine's thread calls a `ModelRunner`. Logits for every prompt position are computed only for
+groups that need them, in chunks of positions so that a long prompt never holds a [P, V] float32 matrix;
+each chunk is reduced on the device to what the API reports (the target's log probability, its rank and
+the top-k) before anything moves to numpy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+
+from .request import PromptColumns, SequenceGroup
+
+POSITION_CHUNK = 256  # prompt positions whose logits are materialised at once
+
+
+class ModelRunner:
+    def __init__(self, model):
+        self.model = model
+        self.config = model.config
+        self.device = next(model.parameters()).device
+        self.decoder = getattr(model, model.base_model_prefix)
+        self.lm_head = model.get_output_embeddings()
+        self.softcap = getattr(self.config, "final_logit_softcapping", None)
+
+    def logprobs_of(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Raw next-token log probabilities, float32, for hidden states [..., D]."""
+        logits = self.lm_head(hidden).float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return torch.log_softmax(logits, dim=-1)
+
+    @torch.inference_mode()
+    def prefill(self, group: SequenceGroup) -> torch.Tensor:
+        """Run the prompt, keep its KV cache on the group, fill its prompt columns if asked, and return
+        the log probabilities of the first token to generate ([1, V])."""
+        ids = torch.tensor([group.prompt_ids], dtype=torch.long, device=self.device)
+        cache = DynamicCache(config=self.config)
+        hidden = self.decoder(input_ids=ids, cache=cache, use_cache=True).last_hidden_state[0]  # [P, D]
+        group.cache = cache
+        if group.params.needs_prompt_logits:
+            group.prompt_columns = self._prompt_columns(hidden, ids[0], group.params.num_prompt_top)
+        return self.logprobs_of(hidden[-1:])
+
+    def _prompt_columns(self, hidden: torch.Tensor, ids: torch.Tensor, k: int) -> PromptColumns:
+        num = ids.shape[0]
+        lps = np.full(num, np.nan, dtype=np.float32)
+        ranks = np.zeros(num, dtype=np.int64)
+        top_ids = np.zeros((num, k), dtype=np.int64)
+        top_lps = np.zeros((num, k), dtype=np.float32)
+        # The distribution at position i - 1 predicts the token at position i.
+        for start in range(0, num - 1, POSITION_CHUNK):
+            stop = min(start + POSITION_CHUNK, num - 1)
+            lsm = self.logprobs_of(hidden[start:stop])  # [C, V]
+            target = ids[start + 1:stop + 1]
+            target_lp = lsm.gather(1, target[:, None])  # [C, 1]
+            lps[start + 1:stop + 1] = target_lp[:, 0].cpu().numpy()
+            ranks[start + 1:stop + 1] = ((lsm > target_lp).sum(dim=1) + 1).cpu().numpy()
+            if k:
+                vals, idx = torch.topk(lsm, k, dim=1)
+                top_ids[start + 1:stop + 1] = idx.cpu().numpy()
+                top_lps[start + 1:stop + 1] = vals.cpu().numpy()
+        return PromptColumns(lps, ranks, top_ids, top_lps)
+
+    @torch.inference_mode()
+    def decode(self, group: SequenceGroup, last_tokens: list[int]) -> torch.Tensor:
+        """One decode step for the group's active rows; returns their log probabilities [B, V]."""
+        ids = torch.tensor(last_tokens, dtype=torch.long, device=self.device)[:, None]
+        hidden = self.decoder(input_ids=ids, cache=group.cache, use_cache=True).last_hidden_state
+        return self.logprobs_of(hidden[:, -1])
+
+    @staticmethod
+    def expand(group: SequenceGroup, rows: int) -> None:
+        if rows > 1:
+            group.cache.batch_repeat_interleave(rows)
+
+    @staticmethod
+    def select(group: SequenceGroup, keep: list[int]) -> None:
+        group.cache.batch_select_indices(torch.tensor(keep, dtype=torch.long))
