@@ -133,6 +133,14 @@ def _dequantize_gguf_to_cache(gguf_path: str, target: Path) -> None:
         os.replace(tmp, target)
 
 
+def ensure_cached(gguf_path: str) -> Path:
+    """The transformers directory holding a GGUF file's dequantized weights, made on first use."""
+    cached = gguf_cache_dir(gguf_path)
+    if not (cached / "logprobe.json").is_file():
+        _dequantize_gguf_to_cache(gguf_path, cached)
+    return cached
+
+
 def load(source: ModelSource, dtype: str = "float32", device: str = "cpu"):
     """Load (model, tokenizer) for a source; the model is in eval mode on `device`."""
     import torch
@@ -141,12 +149,7 @@ def load(source: ModelSource, dtype: str = "float32", device: str = "cpu"):
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ModelLoadError("--device cuda was asked for, but torch sees no CUDA device")
     torch_dtype = _torch_dtype(dtype, device)
-    location = source.location
-    if source.kind == "gguf":
-        cached = gguf_cache_dir(location)
-        if not (cached / "logprobe.json").is_file():
-            _dequantize_gguf_to_cache(location, cached)
-        location = str(cached)
+    location = str(ensure_cached(source.location)) if source.kind == "gguf" else source.location
     try:
         tokenizer = AutoTokenizer.from_pretrained(location)
         model = AutoModelForCausalLM.from_pretrained(location, dtype=torch_dtype)

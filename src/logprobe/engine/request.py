@@ -103,8 +103,8 @@ class Sequence:
             top_ids = np.stack(self.top_ids[:t])[:, :k]
             top_lps = np.stack(self.top_logprobs[:t])[:, :k]
         else:
-            top_ids = np.zeros((t, 0), dtype=np.int64)
-            top_lps = np.zeros((t, 0), dtype=np.float32)
+            top_ids = np.zeros((t, k), dtype=np.int64)
+            top_lps = np.zeros((t, k), dtype=np.float32)
         return ids, lps, top_ids, top_lps
 
 

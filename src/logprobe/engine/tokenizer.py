@@ -102,8 +102,15 @@ class TextAssembler:
         self.offsets: list[int] = []
 
     def add(self, token_id: int) -> str:
-        self.offsets.append(self.length)
-        piece = self._decoder.decode(self._table.text_bytes(token_id))
+        raw = self._table.text_bytes(token_id)
+        pending = self._decoder.getstate()[0]
+        piece = self._decoder.decode(raw)
+        offset = self.length
+        if pending and piece.startswith("\ufffd") and raw and not 0x80 <= raw[0] <= 0xBF:
+            # The earlier bytes never became a character: their replacement character belongs to the
+            # token that brought them, not to this one.
+            offset += 1
+        self.offsets.append(offset)
         self.parts.append(piece)
         self.length += len(piece)
         return piece

@@ -1,0 +1,169 @@
+"""Every refusal: status, envelope, exact message, param, and the request id."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+BASE = {"model": "tiny", "prompt": "The sky is", "max_tokens": 2}
+
+
+def refuse(client, body=None, status=400, raw=None, path="/v1/completions", method="post"):
+    if raw is not None:
+        r = client.request(method, path, content=raw, headers={"content-type": "application/json"})
+    else:
+        r = client.request(method, path, json=body)
+    assert r.status_code == status, r.text
+    data = r.json()
+    assert set(data) == {"error", "request_id"}
+    assert set(data["error"]) == {"message", "type", "param", "code"}
+    assert re.fullmatch(r"req_[0-9a-f]{32}", data["request_id"])
+    assert r.headers["x-request-id"] == data["request_id"]
+    assert "Traceback" not in r.text
+    return data["error"]
+
+
+def test_logprobs_true_has_the_seed_message(client):
+    err = refuse(client, {**BASE, "logprobs": True})
+    assert err == {"message": "Invalid type for 'logprobs': expected a number or null.",
+                   "type": "invalid_request_error", "param": "logprobs", "code": "invalid_request"}
+
+
+@pytest.mark.parametrize("value,message", [
+    (-1, "Invalid value for 'logprobs': expected a value greater than or equal to 0."),
+    (101, "Invalid value for 'logprobs': expected a value less than or equal to 100."),
+])
+def test_logprobs_range_messages(client, value, message):
+    err = refuse(client, {**BASE, "logprobs": value})
+    assert err["message"] == message and err["param"] == "logprobs" and err["code"] == "invalid_request"
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("max_tokens", -1, "Invalid value for 'max_tokens': expected a value greater than or equal to 0."),
+    ("max_tokens", "5", "Invalid type for 'max_tokens': expected a number or null."),
+    ("max_tokens", 1.5, "Invalid type for 'max_tokens': expected an integer or null."),
+    ("temperature", 2.5, "Invalid value for 'temperature': expected a value less than or equal to 2."),
+    ("temperature", -0.1, "Invalid value for 'temperature': expected a value greater than or equal to 0."),
+    ("temperature", True, "Invalid type for 'temperature': expected a number or null."),
+    ("top_p", 0, "Invalid value for 'top_p': expected a value greater than 0."),
+    ("top_p", 1.01, "Invalid value for 'top_p': expected a value less than or equal to 1."),
+    ("top_k", -2, "Invalid value for 'top_k': expected a value greater than or equal to -1."),
+    ("n", 0, "Invalid value for 'n': expected a value greater than or equal to 1."),
+    ("n", 17, "Invalid value for 'n': expected a value less than or equal to 16."),
+    ("seed", 2**64, "Invalid value for 'seed': expected a value less than or equal to 9223372036854775807."),
+    ("seed", [1], "Invalid type for 'seed': expected a number or null."),
+    ("echo", 1, "Invalid type for 'echo': expected a boolean or null."),
+    ("prompt_logprobs", True, "Invalid type for 'prompt_logprobs': expected a number or null."),
+    ("prompt_logprobs", 101, "Invalid value for 'prompt_logprobs': expected a value less than or equal to 100."),
+])
+def test_numeric_and_type_templates(client, field, value, message):
+    err = refuse(client, {**BASE, field: value})
+    assert err["message"] == message
+    assert err["param"] == field
+
+
+def test_unknown_field_is_refused_by_name(client):
+    err = refuse(client, {**BASE, "temprature": 0})
+    assert err["message"] == "Unrecognized request argument supplied: temprature"
+    assert err["param"] == "temprature"
+
+
+def test_unimplemented_openai_field(client):
+    err = refuse(client, {**BASE, "presence_penalty": 0.5})
+    assert err["param"] == "presence_penalty" and "does not implement" in err["message"]
+    ok = client.post("/v1/completions", json={**BASE, "presence_penalty": 0, "best_of": 1, "logit_bias": {}})
+    assert ok.status_code == 200
+
+
+def test_unknown_model_is_404(client):
+    err = refuse(client, {**BASE, "model": "gpt-5"}, status=404)
+    assert err["code"] == "model_not_found" and err["param"] == "model"
+    assert "gpt-5" in err["message"]
+
+
+def test_full_name_and_alias_both_work(client):
+    for name in ("tiny", "test/tiny-llama"):
+        r = client.post("/v1/completions", json={**BASE, "model": name, "max_tokens": 1})
+        assert r.status_code == 200
+        assert r.json()["model"] == "test/tiny-llama"
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"", b"[1, 2]", b'"text"', b"\xff\xfe"])
+def test_malformed_body(client, raw):
+    err = refuse(client, raw=raw)
+    assert err["code"] == "invalid_request" and err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("prompt", [None, 5, [], [1, "a"], [[1], []], [True], {"a": 1}])
+def test_bad_prompts(client, prompt):
+    body = {**BASE, "prompt": prompt}
+    if prompt is None:
+        del body["prompt"]
+    err = refuse(client, body)
+    assert err["param"] == "prompt"
+
+
+def test_token_ids_outside_vocabulary(client, tiny_engine):
+    for bad in (-1, tiny_engine.info.vocab_size):
+        err = refuse(client, {**BASE, "prompt": [1, bad]})
+        assert err["param"] == "prompt" and str(bad) in err["message"]
+
+
+def test_empty_text_prompt_without_bos(client):
+    err = refuse(client, {**BASE, "prompt": ""})
+    assert err["param"] == "prompt"
+
+
+def test_missing_model(client):
+    err = refuse(client, {"prompt": "x"})
+    assert err["message"] == "Missing required parameter: 'model'." and err["param"] == "model"
+
+
+def test_stop_rules(client):
+    assert refuse(client, {**BASE, "stop": ["a", "b", "c", "d", "e"]})["param"] == "stop"
+    assert refuse(client, {**BASE, "stop": [1]})["param"] == "stop"
+
+
+def test_too_many_prompts(client):
+    err = refuse(client, {**BASE, "prompt": ["a"] * 257})
+    assert err["param"] == "prompt" and "256" in err["message"] and "257" in err["message"]
+
+
+def test_echo_logprob_positions_cap(client):
+    from logprobe.config import Limits
+
+    cap = Limits().max_prompt_logprob_positions
+    # 200 prompts of 200 tokens with echo + logprobs: 40,000 positions > 32,768.
+    body = {**BASE, "prompt": [[7] * 200] * 200, "echo": True, "logprobs": 1, "max_tokens": 0}
+    err = refuse(client, body)
+    assert err["param"] == "logprobs" and str(cap) in err["message"] and "40000" in err["message"]
+
+
+def test_body_size_cap(client):
+    big = b'{"model": "tiny", "prompt": "' + b"a" * (16 * 1024 * 1024) + b'"}'
+    err = refuse(client, raw=big, status=413)
+    assert err["code"] == "request_too_large"
+
+
+def test_not_found_and_method_not_allowed(client):
+    assert refuse(client, {}, status=404, path="/v2/nothing")["code"] == "not_found"
+    assert refuse(client, None, status=405, path="/v1/completions", method="get")["code"] == "method_not_allowed"
+
+
+def test_success_carries_a_request_id(client):
+    r = client.post("/v1/completions", json={**BASE, "max_tokens": 1})
+    assert re.fullmatch(r"req_[0-9a-f]{32}", r.headers["x-request-id"])
+    assert re.fullmatch(r"cmpl-[0-9a-f]{16}", r.json()["id"])
+
+
+def test_internal_error_has_no_internals(client, tiny_engine, monkeypatch):
+    def boom(*a, **k):
+        raise RuntimeError("secret internal detail /path/to/file.py")
+
+    monkeypatch.setattr(tiny_engine.runner, "prefill", boom)
+    err = refuse(client, {**BASE, "max_tokens": 1}, status=500)
+    assert err["type"] == "server_error" and err["code"] == "internal_error"
+    assert "secret" not in err["message"]
+    monkeypatch.undo()
+    assert client.post("/v1/completions", json={**BASE, "max_tokens": 1}).status_code == 200

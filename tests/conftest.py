@@ -1,0 +1,82 @@
+"""Shared fixtures: the bundled model's files, a tiny random-weight Llama on its tokenizer, a float64
+reference forward, and a test client around an engine."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from logprobe.engine import loader
+
+
+@pytest.fixture(scope="session")
+def smol_dir():
+    """The bundled SmolLM2 GGUF, dequantized to a transformers directory (cached across runs)."""
+    return loader.ensure_cached(str(loader.bundled_gguf_path()))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(smol_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smol_dir))
+
+
+def make_tiny_model(vocab_size: int, seed: int = 0, **overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+               tie_word_embeddings=True, initializer_range=0.3, bos_token_id=1, eos_token_id=2)
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
+    model.requires_grad_(False)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tokenizer):
+    return make_tiny_model(len(tokenizer))
+
+
+class Reference:
+    """Float64 forward of the same weights, without a KV cache: the independent oracle."""
+
+    def __init__(self, model):
+        self.model = copy.deepcopy(model).to(torch.float64)
+
+    @torch.inference_mode()
+    def logprobs(self, ids: list[int]) -> torch.Tensor:
+        """[len(ids), V] float64: row i is the distribution of the token after ids[:i + 1]."""
+        logits = self.model(torch.tensor([ids])).logits[0]
+        return torch.log_softmax(logits.to(torch.float64), dim=-1)
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_model):
+    return Reference(tiny_model)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_model, tokenizer):
+    from logprobe.engine.engine import Engine
+
+    engine = Engine(tiny_model, tokenizer, "test/tiny-llama", ["tiny"])
+    engine.start()
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture(scope="session")
+def client(tiny_engine):
+    from fastapi.testclient import TestClient
+
+    from logprobe.api.app import create_app
+    from logprobe.config import Limits
+
+    app = create_app(tiny_engine, Limits())
+    with TestClient(app, raise_server_exceptions=False) as c:
+        yield c

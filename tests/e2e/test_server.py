@@ -1,0 +1,153 @@
+"""A real `logprobe serve` process on the bundled SmolLM2 model, driven by the openai SDK and raw HTTP."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.e2e
+MODEL = "smollm2-135m"
+FULL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct-Q4_1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(smol_dir):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "logprobe.cli", "serve", "--port", str(port),
+                             "--alias", "smol"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError("server exited:\n" + proc.stdout.read().decode())
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    else:
+        proc.kill()
+        raise RuntimeError("server did not start")
+    yield base
+    proc.terminate()
+    proc.wait(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server + "/v1", api_key="unused")
+
+
+@pytest.fixture(scope="module")
+def ref64(smol_dir):
+    """The same dequantized weights in float64, run without a cache."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(smol_dir), dtype=torch.float64).eval()
+
+    @torch.inference_mode()
+    def logprobs(ids):
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1).numpy()
+
+    return logprobs
+
+
+def test_completion_logprobs_match_float64(oai, ref64):
+    out = oai.completions.create(model=MODEL, prompt="The sky is", max_tokens=5, logprobs=5, temperature=0,
+                                 extra_body={"return_tokens_as_token_ids": True})
+    assert out.model == FULL_NAME
+    lp = out.choices[0].logprobs
+    gen = [int(t.split(":")[1]) for t in lp.tokens]
+    prompt_ids = [504, 6376, 314]
+    ref = ref64(prompt_ids + gen)
+    for i, t in enumerate(gen):
+        row = ref[len(prompt_ids) - 1 + i]
+        assert t == int(np.argmax(row))
+        assert abs(lp.token_logprobs[i] - row[t]) < 2e-4
+        top = lp.top_logprobs[i]
+        assert len(top) == 5
+        for name, value in top.items():
+            assert abs(value - row[int(name.split(":")[1])]) < 2e-4
+    assert out.usage.prompt_tokens == 3 and out.usage.completion_tokens == 5
+
+
+def test_openai_sdk_text_offsets_and_echo(oai):
+    out = oai.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, logprobs=2,
+                                 echo=True, temperature=0)
+    c = out.choices[0]
+    assert c.text.startswith("The capital of France is")
+    assert c.logprobs.token_logprobs[0] is None and c.logprobs.top_logprobs[0] is None
+    assert len(c.logprobs.tokens) == out.usage.prompt_tokens + out.usage.completion_tokens
+    for off, tok in zip(c.logprobs.text_offset, c.logprobs.tokens):
+        assert c.text[off:off + len(tok)] == tok
+    plain = oai.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0)
+    assert c.text == "The capital of France is" + plain.choices[0].text
+
+
+def test_max_tokens_zero_echo_scores_the_prompt(oai, ref64):
+    out = oai.completions.create(model="smol", prompt="Paris is the capital of France.", max_tokens=0,
+                                 echo=True, logprobs=0, extra_body={"return_tokens_as_token_ids": True})
+    c = out.choices[0]
+    ids = [int(t.split(":")[1]) for t in c.logprobs.tokens]
+    ref = ref64(ids)
+    got = np.array(c.logprobs.token_logprobs[1:])
+    want = np.array([ref[i - 1][ids[i]] for i in range(1, len(ids))])
+    np.testing.assert_allclose(got, want, atol=2e-4)
+    assert c.text == "Paris is the capital of France." and out.usage.completion_tokens == 0
+
+
+def test_n_with_seed_is_reproducible(oai):
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=8, n=3, seed=42, temperature=1.0, logprobs=1)
+    a = oai.completions.create(**kw)
+    b = oai.completions.create(**kw)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert len({c.text for c in a.choices}) > 1
+
+
+def test_stop_and_token_id_prompts(oai):
+    free = oai.completions.create(model=MODEL, prompt=[[504, 6376, 314], [504]], max_tokens=10, temperature=0)
+    assert len(free.choices) == 2 and free.usage.prompt_tokens == 4
+    text = free.choices[0].text
+    stop = text.split()[1]
+    out = oai.completions.create(model=MODEL, prompt=[504, 6376, 314], max_tokens=10, temperature=0, stop=[stop])
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].text == text[:text.index(stop)]
+
+
+def test_raw_http_errors(server):
+    r = httpx.post(server + "/v1/completions", json={"model": MODEL, "prompt": "x", "logprobs": True})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == "Invalid type for 'logprobs': expected a number or null."
+    assert r.json()["request_id"] == r.headers["x-request-id"]
+    r = httpx.post(server + "/v1/completions", json={"model": "llama-8b", "prompt": "x"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = httpx.post(server + "/v1/completions", content=b"{", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request"
+    r = httpx.post(server + "/v1/completions", json={"model": MODEL, "prompt": [1] * 8190, "max_tokens": 16})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_model_card_of_bundled_model(server):
+    card = httpx.get(server + "/v1/models/smollm2-135m").json()
+    assert card["id"] == FULL_NAME and set(card["aliases"]) == {"smollm2-135m", "smol"}
+    assert (card["num_layers"], card["d_model"], card["vocab_size"], card["context_length"]) == (30, 576, 49152, 8192)
+    info = httpx.get(server + "/tokenizer_info").json()
+    assert info["eos_token"] == "<|im_end|>"
