@@ -34,6 +34,11 @@ def make_tiny_model(vocab_size: int, seed: int = 0, **overrides):
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
     model.requires_grad_(False)
+    # Exact ties at every position: tokens 101 and 102 share token 100's (tied) embedding row, so the
+    # three always have the same logit. Ranks must count only strictly larger values.
+    emb = model.get_input_embeddings().weight
+    emb[101] = emb[100]
+    emb[102] = emb[100]
     return model
 
 
@@ -47,6 +52,13 @@ class Reference:
 
     def __init__(self, model):
         self.model = copy.deepcopy(model).to(torch.float64)
+
+    def rank_bounds(self, row, token: int, tol: float = 2e-5) -> tuple[int, int]:
+        """The ranks a float32 computation may report for `token`: values within tol of it (each off by
+        up to half of tol) may fall
+        either side."""
+        value = row[token]
+        return int((row > value + tol).sum()) + 1, int((row > value - tol).sum()) + 1
 
     @torch.inference_mode()
     def logprobs(self, ids: list[int]) -> torch.Tensor:

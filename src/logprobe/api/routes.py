@@ -6,7 +6,8 @@ import time
 
 import orjson
 from fastapi import APIRouter, Request
-from starlette.responses import Response
+from starlette.concurrency import run_in_threadpool
+from starlette.responses import Response, StreamingResponse
 
 from . import completions as cmpl
 from . import validation as v
@@ -84,7 +85,14 @@ async def create_completion(request: Request):
         for g in groups:
             for s in g.sequences:
                 s.finish_reason = cmpl.FinishReason.LENGTH
-    return _json(cmpl.format_response(engine, req, groups, echoes))
+    payload, parts = cmpl.format_response(engine, req, groups, echoes)
+    if req.params.prompt_logprobs == -1:
+        # Tens to hundreds of MB: stream it block by block (encoded in a worker thread).
+        return StreamingResponse(cmpl.iter_body(payload, parts), media_type="application/json")
+    if parts:
+        body = await run_in_threadpool(lambda: b"".join(cmpl.iter_body(payload, parts)))
+        return Response(body, media_type="application/json")
+    return _json(payload)
 
 
 @router.get("/v1/models")

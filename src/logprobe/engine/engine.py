@@ -84,6 +84,17 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.num_steps = 0
+        self._prompt_encoders = {}
+
+    def prompt_encoder(self, as_ids: bool = False):
+        """The per-model byte encoder of prompt_logprobs maps (built on first use)."""
+        from ..output.prompt_json import PromptLogprobsEncoder
+
+        if as_ids not in self._prompt_encoders:
+            names = ([f"token_id:{i}" for i in range(self.info.vocab_size)] if as_ids
+                     else self.table.strings.tolist())
+            self._prompt_encoders[as_ids] = PromptLogprobsEncoder(names)
+        return self._prompt_encoders[as_ids]
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:

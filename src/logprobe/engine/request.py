@@ -39,7 +39,7 @@ class SamplingParams:
     @property
     def num_prompt_top(self) -> int:
         """Top-k width needed at prompt positions."""
-        ks = [self.prompt_logprobs or 0]
+        ks = [self.prompt_logprobs if self.prompt_logprobs and self.prompt_logprobs > 0 else 0]
         if self.echo and self.logprobs is not None:
             ks.append(self.logprobs)
         return max(0, *ks)
@@ -63,6 +63,8 @@ class PromptColumns:
     ranks: np.ndarray  # [P] int64, 0 at 0
     top_ids: np.ndarray  # [P, k] int64
     top_logprobs: np.ndarray  # [P, k] float32
+    full: np.ndarray | None = None  # [P, V] float32, every token's log probability (prompt_logprobs -1)
+    full_ranks: np.ndarray | None = None  # [P, V] int32, their ranks
 
 
 def _make_generator(seed: int | None, index: int) -> torch.Generator:

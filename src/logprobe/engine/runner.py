@@ -17,6 +17,17 @@ from .request import PromptColumns, SequenceGroup
 POSITION_CHUNK = 256  # prompt positions whose logits are materialised at once
 
 
+def vocab_ranks(rows: torch.Tensor) -> torch.Tensor:
+    """Rank of every entry of [B, V] rows: 1 + the number of strictly larger values in its row.
+    One sort per row; equal values share the rank of the first of their run."""
+    values, order = torch.sort(rows, dim=-1, descending=True)
+    starts_run = torch.ones_like(values, dtype=torch.bool)
+    starts_run[:, 1:] = values[:, 1:] != values[:, :-1]
+    index = torch.arange(rows.shape[-1], device=rows.device).expand_as(order)
+    first = torch.cummax(torch.where(starts_run, index, torch.zeros_like(index)), dim=-1).values
+    return torch.empty_like(first).scatter_(-1, order, first + 1)
+
+
 class ModelRunner:
     def __init__(self, model):
         self.model = model
@@ -42,11 +53,18 @@ class ModelRunner:
         hidden = self.decoder(input_ids=ids, cache=cache, use_cache=True).last_hidden_state[0]  # [P, D]
         group.cache = cache
         if group.params.needs_prompt_logits:
-            group.prompt_columns = self._prompt_columns(hidden, ids[0], group.params.num_prompt_top)
+            group.prompt_columns = self._prompt_columns(hidden, ids[0], group.params.num_prompt_top,
+                                                        keep_full=group.params.prompt_logprobs == -1)
         return self.logprobs_of(hidden[-1:])
 
-    def _prompt_columns(self, hidden: torch.Tensor, ids: torch.Tensor, k: int) -> PromptColumns:
+    def _prompt_columns(self, hidden: torch.Tensor, ids: torch.Tensor, k: int,
+                        keep_full: bool = False) -> PromptColumns:
         num = ids.shape[0]
+        full = full_ranks = None
+        if keep_full:  # bounded by the whole-vocabulary cap (256 positions by default)
+            vocab = self.lm_head.weight.shape[0]
+            full = np.full((num, vocab), np.nan, dtype=np.float32)
+            full_ranks = np.zeros((num, vocab), dtype=np.int32)
         lps = np.full(num, np.nan, dtype=np.float32)
         ranks = np.zeros(num, dtype=np.int64)
         top_ids = np.zeros((num, k), dtype=np.int64)
@@ -58,12 +76,15 @@ class ModelRunner:
             target = ids[start + 1:stop + 1]
             target_lp = lsm.gather(1, target[:, None])  # [C, 1]
             lps[start + 1:stop + 1] = target_lp[:, 0].cpu().numpy()
+            if full is not None:
+                full[start + 1:stop + 1] = lsm.cpu().numpy()
+                full_ranks[start + 1:stop + 1] = vocab_ranks(lsm).cpu().numpy()
             ranks[start + 1:stop + 1] = ((lsm > target_lp).sum(dim=1) + 1).cpu().numpy()
             if k:
                 vals, idx = torch.topk(lsm, k, dim=1)
                 top_ids[start + 1:stop + 1] = idx.cpu().numpy()
                 top_lps[start + 1:stop + 1] = vals.cpu().numpy()
-        return PromptColumns(lps, ranks, top_ids, top_lps)
+        return PromptColumns(lps, ranks, top_ids, top_lps, full, full_ranks)
 
     @torch.inference_mode()
     def decode(self, group: SequenceGroup, last_tokens: list[int]) -> torch.Tensor:

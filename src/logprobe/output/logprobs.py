@@ -59,35 +59,12 @@ def legacy_logprobs(namer: TokenNamer, ids: np.ndarray, lps: np.ndarray, top_ids
 
 
 def ranks_of_top(top_lps: np.ndarray) -> np.ndarray:
-    """Rank (1 + number of strictly larger values) of each entry of rows sorted in descending order."""
-    out = np.empty(top_lps.shape, dtype=np.int64)
-    for r in range(top_lps.shape[0]):
-        row = top_lps[r]
-        out[r] = np.searchsorted(-row, -row, side="left") + 1
-    return out
-
-
-def prompt_logprobs_maps(namer: TokenNamer, prompt_ids: np.ndarray, lps: np.ndarray, ranks: np.ndarray,
-                         top_ids: np.ndarray, top_lps: np.ndarray) -> list[dict | None]:
-    """vLLM's `prompt_logprobs`: null at position 0, then {token id: {logprob, rank, decoded_token}}
-    holding the prompt's own token and the k likeliest (k or k + 1 entries)."""
-    out: list[dict | None] = [None]
-    k = top_ids.shape[1]
-    own_names = namer.names(prompt_ids)
-    own_values = wire_floats(lps).tolist()
-    own_ranks = ranks.tolist()
-    top_ranks = ranks_of_top(top_lps).tolist() if k else []
-    top_names = namer.names(top_ids.reshape(-1)) if k else []
-    top_values = wire_floats(top_lps).tolist() if k else []
-    flat_ids = top_ids.tolist()
-    pids = prompt_ids.tolist()
-    for pos in range(1, len(pids)):
-        entry = {str(pids[pos]): {"logprob": own_values[pos], "rank": own_ranks[pos],
-                                  "decoded_token": own_names[pos]}}
-        for j in range(k):
-            key = str(flat_ids[pos][j])
-            if key not in entry:
-                entry[key] = {"logprob": top_values[pos][j], "rank": top_ranks[pos][j],
-                              "decoded_token": top_names[pos * k + j]}
-        out.append(entry)
-    return out
+    """Rank (1 + number of strictly larger values) of each entry of rows sorted in descending order:
+    an entry equal to the one before it shares that one's rank."""
+    num, k = top_lps.shape
+    if k == 0:
+        return np.zeros((num, 0), dtype=np.int64)
+    first_of_run = np.ones((num, k), dtype=bool)
+    first_of_run[:, 1:] = top_lps[:, 1:] != top_lps[:, :-1]
+    candidate = np.where(first_of_run, np.arange(1, k + 1), 0)
+    return np.maximum.accumulate(candidate, axis=1)
