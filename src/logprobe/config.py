@@ -28,6 +28,7 @@ class Limits:
 class Settings:
     model: str | None = None
     aliases: list[str] = field(default_factory=list)
+    chat_template: str | None = None
     dtype: str = "float32"
     device: str = "cpu"
     host: str = "127.0.0.1"

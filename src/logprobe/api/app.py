@@ -13,7 +13,7 @@ from starlette.responses import Response
 
 from ..config import Limits
 from .errors import APIError, InternalError, error_response, new_request_id
-from .routes import router
+from .routes import ClientGone, router
 
 log = logging.getLogger("logprobe.api")
 
@@ -89,6 +89,11 @@ def create_app(engine, limits: Limits | None = None) -> FastAPI:
         loc = [str(x) for x in first.get("loc", ()) if x not in ("body", "query", "path")]
         return error_response(APIError(f"Invalid request: {first.get('msg', 'bad input')}",
                                        ".".join(loc) or None), _request_id(request))
+
+    @app.exception_handler(ClientGone)
+    async def on_client_gone(request: Request, exc: ClientGone):
+        # Nobody reads this; 499 (nginx's "client closed request") marks it in the access log.
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def on_error(request: Request, exc: Exception):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import orjson
@@ -9,7 +10,11 @@ from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response, StreamingResponse
 
+from ..engine.request import FinishReason
+from . import chat
 from . import completions as cmpl
+from .common import Parts, iter_body
+from .streaming import stream_groups
 from . import validation as v
 from .errors import InvalidRequest, ModelNotFound, RequestTooLarge
 
@@ -45,6 +50,36 @@ async def read_json(request: Request) -> dict:
     return body
 
 
+class ClientGone(Exception):
+    """The client closed the connection before its answer was ready."""
+
+
+async def run_while_connected(request: Request, engine, groups) -> None:
+    """Run groups in the engine; if the client disconnects first, abort them (the engine drops them
+    before their next step) instead of finishing work nobody will read."""
+    run = asyncio.ensure_future(engine.run(groups))
+
+    async def wait_for_disconnect():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(wait_for_disconnect())
+    try:
+        await asyncio.wait({run, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not run.done():
+            run.cancel()  # engine.run marks the groups aborted
+            await asyncio.gather(run, return_exceptions=True)
+            raise ClientGone()
+    run.result()
+
+
+def event_stream(chunks) -> StreamingResponse:
+    return StreamingResponse(chunks, media_type="text/event-stream",
+                             headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+
+
 def resolve_model(request: Request, name: str | None, required: bool = True):
     """The engine serving `name` (full name or alias); 404 for any other name."""
     engine = request.app.state.engine
@@ -78,21 +113,55 @@ async def create_completion(request: Request):
     prompts = cmpl.tokenize_prompts(engine, req)
     cmpl.check_caps(engine, req, prompts, limits)
     groups, echoes = cmpl.build_groups(engine, req, prompts, request.state.request_id)
+    if req.stream:
+        format_deltas, final_chunks = cmpl.stream_formatters(engine, req, groups, echoes)
+        return event_stream(stream_groups(engine, groups, req.params.logprobs or 0, request.state.request_id,
+                                          format_deltas, final_chunks))
     needs_engine = req.params.max_tokens > 0 or req.params.needs_prompt_logits
     if needs_engine:
-        await engine.run(groups)
+        await run_while_connected(request, engine, groups)
     else:
         for g in groups:
             for s in g.sequences:
-                s.finish_reason = cmpl.FinishReason.LENGTH
+                s.finish_reason = FinishReason.LENGTH
     payload, parts = cmpl.format_response(engine, req, groups, echoes)
-    if req.params.prompt_logprobs == -1:
-        # Tens to hundreds of MB: stream it block by block (encoded in a worker thread).
-        return StreamingResponse(cmpl.iter_body(payload, parts), media_type="application/json")
+    return await body_response(payload, parts, whole_vocab=req.params.prompt_logprobs == -1)
+
+
+async def body_response(payload: dict, parts, whole_vocab: bool) -> Response:
+    """The JSON answer; prompt_logprobs parts are encoded off the event loop, and a whole-vocabulary
+    answer (hundreds of MB) is streamed block by block as it is encoded."""
+    if whole_vocab:
+        return StreamingResponse(iter_body(payload, parts), media_type="application/json")
     if parts:
-        body = await run_in_threadpool(lambda: b"".join(cmpl.iter_body(payload, parts)))
+        body = await run_in_threadpool(lambda: b"".join(iter_body(payload, parts)))
         return Response(body, media_type="application/json")
     return _json(payload)
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(request: Request):
+    """OpenAI chat completions over the model's chat template, with `logprobs` / `top_logprobs`, streaming,
+    and `prompt_logprobs` over the templated prompt."""
+    limits = request.app.state.limits
+    body = await read_json(request)
+    req = chat.parse_chat(body, limits)
+    engine = resolve_model(request, req.model)
+    ids = chat.render_prompt(engine, req)
+    chat.check_caps(engine, req, ids, limits)
+    group = chat.build_group(engine, req, ids, request.state.request_id)
+    if req.stream:
+        format_deltas, final_chunks = chat.stream_formatters(engine, req, group)
+        return event_stream(stream_groups(engine, [group], req.params.logprobs or 0, request.state.request_id,
+                                          format_deltas, final_chunks))
+    if chat.no_work(req):
+        for s in group.sequences:
+            s.finish_reason = FinishReason.LENGTH
+    else:
+        await run_while_connected(request, engine, [group])
+    parts = Parts()
+    payload = chat.format_response(engine, req, group, parts)
+    return await body_response(payload, parts, whole_vocab=req.params.prompt_logprobs == -1)
 
 
 @router.get("/v1/models")
@@ -153,4 +222,5 @@ async def tokenizer_info(request: Request):
 @router.get("/health")
 async def health(request: Request):
     """200 when the model is loaded and the engine runs."""
-    return _json({"status": "ok", "in_flight": request.app.state.engine.num_in_flight})
+    engine = request.app.state.engine
+    return _json({"status": "ok", "in_flight": engine.num_in_flight, "engine_steps": engine.num_steps})

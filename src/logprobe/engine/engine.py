@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .request import FinishReason, SamplingParams, Sequence, SequenceGroup
+from .request import FinishReason, Sequence, SequenceGroup
 from .runner import ModelRunner
 from .sampler import sample_row
 from .scheduler import Scheduler
@@ -114,8 +114,9 @@ class Engine:
         return self.scheduler.num_in_flight + self._inbox.qsize()
 
     # ---- the async front -------------------------------------------------------------------
-    async def run(self, groups: list[SequenceGroup]) -> list[SequenceGroup]:
-        """Run groups to completion. Cancelling the awaiting task aborts them."""
+    def submit(self, groups: list[SequenceGroup]) -> list[asyncio.Future]:
+        """Queue groups; each future resolves (on the running loop) when its group has finished.
+        A group's `on_step`, if set, is called on the engine thread after each of its steps."""
         loop = asyncio.get_running_loop()
         futures = []
         for group in groups:
@@ -123,6 +124,11 @@ class Engine:
             group.on_finish = _resolver(loop, fut)
             futures.append(fut)
             self._inbox.put(group)
+        return futures
+
+    async def run(self, groups: list[SequenceGroup]) -> list[SequenceGroup]:
+        """Run groups to completion. Cancelling the awaiting task aborts them."""
+        futures = self.submit(groups)
         try:
             await asyncio.gather(*futures)
         except BaseException:
@@ -172,6 +178,8 @@ class Engine:
         else:
             last = [group.sequences[i].token_ids[-1] for i in group.active_rows]
             self._postprocess(group, self.runner.decode(group, last))
+        if group.on_step is not None:
+            group.on_step(group)
         if group.is_finished:
             group.cache = None
             self._finish(group)

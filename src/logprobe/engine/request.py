@@ -125,6 +125,7 @@ class SequenceGroup:
         self.is_aborted = False
         self.error: BaseException | None = None
         self.on_finish = None  # callable, set by the engine's async front
+        self.on_step = None  # callable(group), run on the engine thread after each step (streaming)
 
     @property
     def is_finished(self) -> bool:

@@ -68,3 +68,22 @@ def ranks_of_top(top_lps: np.ndarray) -> np.ndarray:
     first_of_run[:, 1:] = top_lps[:, 1:] != top_lps[:, :-1]
     candidate = np.where(first_of_run, np.arange(1, k + 1), 0)
     return np.maximum.accumulate(candidate, axis=1)
+
+
+def chat_logprobs_content(namer: TokenNamer, token_bytes: list[bytes], ids: np.ndarray, lps: np.ndarray,
+                          top_ids: np.ndarray, top_lps: np.ndarray) -> list[dict]:
+    """Chat `logprobs.content`: per token `{token, logprob, bytes, top_logprobs: [{token, logprob,
+    bytes}]}`, the top list holding the k likeliest in order of likelihood (OpenAI's shape)."""
+    names = namer.names(ids)
+    values = wire_floats(lps).tolist()
+    id_list = np.asarray(ids).tolist()
+    k = top_ids.shape[1]
+    top_names = namer.names(top_ids.reshape(-1)) if k else []
+    top_values = wire_floats(top_lps).reshape(-1).tolist() if k else []
+    top_id_list = top_ids.reshape(-1).tolist() if k else []
+    out = []
+    for row, (name, value, tid) in enumerate(zip(names, values, id_list)):
+        tops = [{"token": top_names[j], "logprob": top_values[j], "bytes": list(token_bytes[top_id_list[j]])}
+                for j in range(row * k, row * k + k)]
+        out.append({"token": name, "logprob": value, "bytes": list(token_bytes[tid]), "top_logprobs": tops})
+    return out

@@ -1,0 +1,202 @@
+"""POST /v1/chat/completions: messages through the model's chat template, OpenAI's chat logprobs.
+
+Choices made where the contract is silent (as vLLM does): `max_tokens` / `max_completion_tokens`
+default to the rest of the context; the templated prompt is tokenized without adding special tokens
+(the template writes them); `prompt_logprobs` is returned at the top level of the response (one chat,
+one prompt). The end-of-turn token that stops a reply adds no content and gets no `logprobs.content`
+entry (OpenAI's shape), but counts in `usage.completion_tokens`.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass
+
+from ..config import Limits
+from ..engine.request import SamplingParams, SequenceGroup
+from ..output.logprobs import TokenNamer, chat_logprobs_content
+from . import validation as v
+from .common import ResidualRequest, check_request_caps, parse_shared, prompt_logprobs_parts
+from .errors import InvalidRequest
+from .streaming import sse
+
+CHAT_FIELDS = {
+    "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream",
+    "stream_options", "stop", "seed", "logprobs", "top_logprobs", "user",
+    # logprobe / vLLM extensions
+    "top_k", "prompt_logprobs", "vocab_encoding", "output_residual_stream", "return_tokens_as_token_ids",
+}
+UNIMPLEMENTED_FIELDS = {
+    "frequency_penalty": (None, 0),
+    "presence_penalty": (None, 0),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None, False),
+    "response_format": (None, {"type": "text"}),
+    "store": (None, False),
+    "metadata": (None, {}),
+    "service_tier": (None, "auto"),
+}
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass
+class ChatRequest:
+    model: str
+    messages: list[dict]
+    params: SamplingParams
+    max_tokens: int | None
+    top_logprobs: int | None  # None: no logprobs
+    stream: bool
+    include_usage: bool
+    return_tokens_as_token_ids: bool
+    vocab_encoding: str | None
+    residual: ResidualRequest | None
+
+
+def parse_messages(value) -> list[dict]:
+    if value is None:
+        raise InvalidRequest("Missing required parameter: 'messages'.", "messages")
+    if not isinstance(value, list) or not value:
+        raise InvalidRequest("Invalid value for 'messages': expected a non-empty array of messages.", "messages")
+    out = []
+    for i, msg in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise InvalidRequest(f"Invalid type for '{where}': expected an object.", "messages")
+        role, content = msg.get("role"), msg.get("content")
+        if role not in ROLES:
+            raise InvalidRequest(f"Invalid value for '{where}.role': expected one of {', '.join(ROLES)}.",
+                                 "messages")
+        extra = set(msg) - {"role", "content", "name"}
+        if extra:
+            raise InvalidRequest(f"Unrecognized request argument supplied: {where}.{sorted(extra)[0]}", "messages")
+        if isinstance(content, list):  # OpenAI content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise InvalidRequest(f"Invalid value for '{where}.content': only text parts are supported.",
+                                     "messages")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise InvalidRequest(f"Invalid type for '{where}.content': expected a string.", "messages")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def parse_chat(body: dict, limits: Limits) -> ChatRequest:
+    v.check_known_fields(body, CHAT_FIELDS, UNIMPLEMENTED_FIELDS)
+    model = v.get_str(body, "model", required=True)
+    messages = parse_messages(body.get("messages"))
+    max_tokens = v.get_int(body, "max_completion_tokens", None, ge=0)
+    if max_tokens is None:
+        max_tokens = v.get_int(body, "max_tokens", None, ge=0)
+    logprobs = v.get_bool(body, "logprobs", False)
+    top = v.get_int(body, "top_logprobs", None, ge=0, le=limits.max_logprobs)
+    if top is not None and not logprobs:
+        raise InvalidRequest("Invalid value for 'top_logprobs': 'logprobs' must be true when 'top_logprobs' "
+                             "is set.", "top_logprobs")
+    shared = parse_shared(body, limits)
+    params = SamplingParams(max_tokens=max_tokens or 0, logprobs=(top or 0) if logprobs else None,
+                            **shared.sampling)
+    return ChatRequest(model, messages, params, max_tokens, params.logprobs, shared.stream,
+                       shared.include_usage, shared.return_tokens_as_token_ids, shared.vocab_encoding,
+                       shared.residual)
+
+
+def render_prompt(engine, req: ChatRequest) -> list[int]:
+    """The templated conversation's token ids, ending with the assistant's turn opening."""
+    tok = engine.tokenizer
+    if not engine.info.has_chat_template:
+        raise InvalidRequest("This model has no chat template, so /v1/chat/completions cannot build a prompt. "
+                             "Use /v1/completions with your own prompt, or start the server with "
+                             "--chat-template FILE (a Jinja template).", "messages")
+    try:
+        text = tok.apply_chat_template(req.messages, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # a template that raises on these messages (e.g. a role it forbids)
+        raise InvalidRequest(f"The model's chat template could not render these messages: "
+                             f"{str(exc)[:200]}", "messages") from None
+    ids = tok(text, add_special_tokens=False).input_ids
+    ctx = engine.info.context_length
+    if req.max_tokens is None:
+        req.params.max_tokens = max(0, ctx - len(ids))
+    return ids
+
+
+def check_caps(engine, req: ChatRequest, ids: list[int], limits: Limits) -> None:
+    check_request_caps(engine, [ids], req.params, req.residual, limits, prompt_param="messages",
+                       max_tokens_param="max_completion_tokens" if req.max_tokens is not None else "messages")
+
+
+def build_group(engine, req: ChatRequest, ids: list[int], request_id: str) -> SequenceGroup:
+    params = SamplingParams(**{**req.params.__dict__, "stop_token_ids": engine.info.stop_token_ids})
+    return SequenceGroup(request_id, ids, params, engine.table)
+
+
+def _content(engine, req: ChatRequest, namer, ids, lps, top_ids, top_lps, finish_reason):
+    if finish_reason == "stop" and len(ids) and int(ids[-1]) in engine.info.stop_token_ids:
+        ids, lps, top_ids, top_lps = ids[:-1], lps[:-1], top_ids[:-1], top_lps[:-1]
+    return chat_logprobs_content(namer, engine.table.token_bytes, ids, lps, top_ids, top_lps)
+
+
+def format_response(engine, req: ChatRequest, group: SequenceGroup, parts) -> dict:
+    namer = TokenNamer(engine.table.strings, req.return_tokens_as_token_ids)
+    choices, completion_tokens = [], 0
+    for seq in group.sequences:
+        completion_tokens += len(seq.token_ids)
+        text = seq.text.text if seq.text_end is None else seq.text.text[: seq.text_end]
+        logprobs = None
+        if req.top_logprobs is not None:
+            cols = seq.columns(req.top_logprobs)
+            logprobs = {"content": _content(engine, req, namer, *cols, seq.finish_reason.value), "refusal": None}
+        choices.append({"index": seq.index, "message": {"role": "assistant", "content": text},
+                        "logprobs": logprobs, "finish_reason": seq.finish_reason.value})
+    out = {"id": "chatcmpl-" + secrets.token_hex(8), "object": "chat.completion", "created": int(time.time()),
+           "model": engine.info.name, "choices": choices,
+           "usage": {"prompt_tokens": group.num_prompt_tokens, "completion_tokens": completion_tokens,
+                     "total_tokens": group.num_prompt_tokens + completion_tokens}}
+    if req.params.prompt_logprobs is not None:
+        out["prompt_logprobs"] = parts.add(prompt_logprobs_parts(engine, req, group))
+    return out
+
+
+def stream_formatters(engine, req: ChatRequest, group: SequenceGroup):
+    """(format_deltas, final_chunks) for chat streaming: `chat.completion.chunk`s whose `delta` carries
+    the role first, then content, with `logprobs.content` for exactly the chunk's tokens."""
+    namer = TokenNamer(engine.table.strings, req.return_tokens_as_token_ids)
+    head = {"id": "chatcmpl-" + secrets.token_hex(8), "object": "chat.completion.chunk",
+            "created": int(time.time()), "model": engine.info.name}
+    tail = {"usage": None} if req.include_usage else {}
+
+    def format_deltas(deltas) -> list[bytes]:
+        chunks = []
+        for d in deltas:
+            if d.is_first:
+                chunks.append(sse({**head, "choices": [{"index": d.seq_index, "delta": {"role": "assistant",
+                                   "content": ""}, "logprobs": None, "finish_reason": None}], **tail}))
+            if not d.text and not len(d.token_ids) and d.finish_reason is None:
+                continue
+            logprobs = None
+            if req.top_logprobs is not None:
+                logprobs = {"content": _content(engine, req, namer, d.token_ids, d.logprobs, d.top_ids,
+                                                d.top_logprobs, d.finish_reason), "refusal": None}
+            delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+            chunks.append(sse({**head, "choices": [{"index": d.seq_index, "delta": delta, "logprobs": logprobs,
+                                                    "finish_reason": d.finish_reason}], **tail}))
+        return chunks
+
+    def final_chunks() -> list[bytes]:
+        if not req.include_usage:
+            return []
+        completion = sum(len(s.token_ids) for s in group.sequences)
+        return [sse({**head, "choices": [], "usage": {"prompt_tokens": group.num_prompt_tokens,
+                                                      "completion_tokens": completion,
+                                                      "total_tokens": group.num_prompt_tokens + completion}})]
+
+    return format_deltas, final_chunks
+
+
+def no_work(req: ChatRequest) -> bool:
+    return req.params.max_tokens == 0 and not req.params.needs_prompt_logits
+

@@ -1,0 +1,186 @@
+"""What completions and chat share: sampling fields, activations' shape, the size caps, and the
+response body with streamed parts (the prompt_logprobs lists)."""
+
+from __future__ import annotations
+
+import re
+import secrets
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import orjson
+
+from ..config import Limits
+from ..engine.request import SamplingParams, SequenceGroup
+from ..output.logprobs import ranks_of_top
+from ..output.prompt_json import iter_dense
+from . import validation as v
+from .errors import ContextLengthExceeded, InvalidRequest
+
+
+@dataclass
+class ResidualRequest:
+    layers: list[int]
+    dtype: str = "float32"
+    encoding: str = "base64"
+
+
+def parse_residual(value) -> ResidualRequest | None:
+    """`output_residual_stream`: a list of layer indices, or {"layers", "dtype", "encoding"}."""
+    name = "output_residual_stream"
+    if value is None:
+        return None
+    if isinstance(value, list):
+        value = {"layers": value}
+    if not isinstance(value, dict):
+        raise v.type_error(name, "an array of layer indices or an object")
+    v.check_known_fields(value, {"layers", "dtype", "encoding"}, {})
+    layers = value.get("layers")
+    if not isinstance(layers, list) or not layers or not all(
+            isinstance(x, int) and not isinstance(x, bool) for x in layers):
+        raise InvalidRequest(f"Invalid value for '{name}': 'layers' must be a non-empty array of layer "
+                             "indices.", name)
+    dtype = value.get("dtype") or "float32"
+    if dtype not in ("float32", "float16", "bfloat16"):
+        raise InvalidRequest(f"Invalid value for '{name}': 'dtype' must be float32, float16 or bfloat16.", name)
+    encoding = value.get("encoding") or "base64"
+    if encoding not in ("base64", "json"):
+        raise InvalidRequest(f"Invalid value for '{name}': 'encoding' must be base64 or json.", name)
+    return ResidualRequest(list(layers), dtype, encoding)
+
+
+@dataclass
+class SharedFields:
+    sampling: dict = field(default_factory=dict)  # SamplingParams keyword arguments
+    stream: bool = False
+    include_usage: bool = False
+    vocab_encoding: str | None = None
+    residual: ResidualRequest | None = None
+    return_tokens_as_token_ids: bool = False
+
+
+def parse_shared(body: dict, limits: Limits) -> SharedFields:
+    """The fields completions and chat read alike, in OpenAI's order, then the extensions."""
+    sampling = dict(
+        temperature=v.get_number(body, "temperature", 1.0, ge=0, le=2),
+        top_p=v.get_number(body, "top_p", 1.0, gt=0, le=1),
+        n=v.get_int(body, "n", 1, ge=1, le=limits.max_n),
+        stop=v.get_stop(body, max_items=limits.max_stop),
+        seed=v.get_int(body, "seed", None),
+        top_k=v.get_int(body, "top_k", -1, ge=-1),
+        prompt_logprobs=v.get_int(body, "prompt_logprobs", None, ge=-1, le=limits.max_logprobs),
+    )
+    stream = v.get_bool(body, "stream", False)
+    if stream and sampling["prompt_logprobs"] is not None:
+        raise InvalidRequest("'prompt_logprobs' does not work with 'stream': true. Send the request without "
+                             "streaming to get prompt log probabilities.", "prompt_logprobs")
+    include_usage = False
+    options = body.get("stream_options")
+    if options is not None:
+        if not stream:
+            raise InvalidRequest("'stream_options' is only allowed with 'stream': true.", "stream_options")
+        if not isinstance(options, dict):
+            raise v.type_error("stream_options", "an object")
+        v.check_known_fields(options, {"include_usage", "continuous_usage_stats"}, {})
+        include_usage = v.get_bool(options, "include_usage", False)
+    vocab_encoding = v.get_str(body, "vocab_encoding")
+    if vocab_encoding is not None:
+        if vocab_encoding not in ("float32", "float16"):
+            raise v.value_error("vocab_encoding", "'float32' or 'float16'")
+        if sampling["prompt_logprobs"] != -1:
+            raise InvalidRequest("'vocab_encoding' is only used with 'prompt_logprobs': -1.", "vocab_encoding")
+    v.get_str(body, "user")
+    return SharedFields(
+        sampling=sampling, stream=stream, include_usage=include_usage, vocab_encoding=vocab_encoding,
+        residual=parse_residual(body.get("output_residual_stream")),
+        return_tokens_as_token_ids=v.get_bool(body, "return_tokens_as_token_ids", False),
+    )
+
+
+def check_request_caps(engine, prompts: list[list[int]], params: SamplingParams,
+                       residual: ResidualRequest | None, limits: Limits, prompt_param: str = "prompt",
+                       max_tokens_param: str = "max_tokens") -> None:
+    """Every cap of API.md section 8 that depends on the tokenized prompts, and the context length."""
+    ctx = engine.info.context_length
+    for ids in prompts:
+        total = len(ids) + params.max_tokens
+        if total > ctx:
+            param = prompt_param if len(ids) >= ctx else max_tokens_param
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {ctx} tokens. However, you requested {total} "
+                f"tokens ({len(ids)} in the prompt, {params.max_tokens} for the completion). "
+                "Please reduce the prompt or max_tokens.", param)
+    positions = sum(len(ids) for ids in prompts) * params.n
+    if params.prompt_logprobs == -1:
+        cap, flag = limits.max_vocab_positions, "max_vocab_positions"
+        if residual is not None:
+            cap, flag = limits.max_vocab_positions_with_residual, "max_vocab_positions_with_residual"
+        if positions > cap:
+            with_residual = " with output_residual_stream" if residual is not None else ""
+            raise InvalidRequest(
+                f"'prompt_logprobs': -1 returns the whole vocabulary at every prompt position, so it takes at "
+                f"most {cap} prompt tokens x n, summed over the prompts{with_residual} ({flag}); this request "
+                f"has {positions}. Send fewer or shorter prompts, or a number k instead of -1.",
+                "prompt_logprobs")
+    if residual is not None:
+        num_layers = engine.info.num_layers
+        bad = [x for x in residual.layers if not -(num_layers + 1) <= x <= num_layers]
+        if bad:
+            raise InvalidRequest(f"Invalid value for 'output_residual_stream': layer {bad[0]} does not exist; "
+                                 f"this model has layers 0 to {num_layers} (or -{num_layers + 1} to -1).",
+                                 "output_residual_stream")
+        raise InvalidRequest("'output_residual_stream' is not available yet on this server.",
+                             "output_residual_stream")
+    if params.needs_prompt_logits:
+        if positions > limits.max_prompt_logprob_positions:
+            param = "prompt_logprobs" if params.prompt_logprobs is not None else "logprobs"
+            raise InvalidRequest(
+                f"Too many prompt log-probability positions: prompt tokens x n, summed over the prompts, "
+                f"is {positions}, over this server's cap of {limits.max_prompt_logprob_positions} "
+                "(max_prompt_logprob_positions).", param)
+
+
+def prompt_logprobs_parts(engine, req, group: SequenceGroup):
+    """A callable that yields the bytes of one choice's `prompt_logprobs` list."""
+    params, pc = req.params, group.prompt_columns
+    prompt_ids = np.asarray(group.prompt_ids, dtype=np.int64)
+    if params.prompt_logprobs == -1:
+        if req.vocab_encoding is not None:
+            return lambda: iter_dense(prompt_ids, pc.logprobs, pc.ranks, pc.full, req.vocab_encoding)
+        return lambda: engine.prompt_encoder(req.return_tokens_as_token_ids).iter_vocab(pc.full, pc.full_ranks)
+    k = params.prompt_logprobs
+    top_ids, top_lps = pc.top_ids[:, :k], pc.top_logprobs[:, :k]
+    encoder = engine.prompt_encoder(req.return_tokens_as_token_ids)
+    return lambda: encoder.iter_topk(prompt_ids, pc.logprobs, pc.ranks, top_ids, top_lps, ranks_of_top(top_lps))
+
+
+class Parts(list):
+    """Byte generators that stand in for placeholders in a payload. The placeholder holds a random
+    nonce, so that no text a client sent can pass for one."""
+
+    MARK = "\x00logprobe-part-%s-%d\x00"
+
+    def __init__(self):
+        super().__init__()
+        self.nonce = secrets.token_hex(8)
+
+    def add(self, make_bytes) -> str:
+        self.append(make_bytes)
+        return self.MARK % (self.nonce, len(self) - 1)
+
+
+_PART_RE = re.compile(rb'"\\u0000logprobe-part-([0-9a-f]{16})-(\d+)\\u0000"')
+
+
+def iter_body(payload: dict, parts) -> Iterator[bytes]:
+    """The response body: the dict's JSON with each placeholder replaced by its part's bytes."""
+    encoded = orjson.dumps(payload)
+    pos = 0
+    for m in _PART_RE.finditer(encoded):
+        if m.group(1).decode() != parts.nonce:
+            continue
+        yield encoded[pos:m.start()]
+        yield from parts[int(m.group(2))]()
+        pos = m.end()
+    yield encoded[pos:]
