@@ -13,6 +13,7 @@ from starlette.responses import Response, StreamingResponse
 from ..engine.request import FinishReason
 from . import chat
 from . import completions as cmpl
+from . import scoring
 from .common import Parts, iter_body
 from .streaming import stream_groups
 from . import validation as v
@@ -162,6 +163,21 @@ async def create_chat_completion(request: Request):
     parts = Parts()
     payload = chat.format_response(engine, req, group, parts)
     return await body_response(payload, parts, whole_vocab=req.params.prompt_logprobs == -1)
+
+
+@router.post("/v1/score")
+async def score(request: Request):
+    """The log-likelihood of texts you already have: per-token log probabilities, their sum, mean,
+    perplexity and whether each token was the likeliest. No generation."""
+    limits = request.app.state.limits
+    body = await read_json(request)
+    req = scoring.parse_score(body, limits)
+    engine = resolve_model(request, req.model)
+    items = scoring.tokenize_items(engine, req)
+    scoring.check_caps(engine, req, items, limits)
+    groups = scoring.build_groups(engine, req, items, request.state.request_id)
+    await run_while_connected(request, engine, groups)
+    return _json(scoring.format_response(engine, req, items, groups))
 
 
 @router.get("/v1/models")

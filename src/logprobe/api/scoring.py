@@ -1,0 +1,147 @@
+"""POST /v1/score: the log-likelihood of texts you already have, token by token; no generation.
+
+Context and input are tokenized apart (no special tokens) and concatenated, as evaluation harnesses
+do; with `add_bos` the model's BOS (or, without one, its end-of-text token) goes in front, so the
+input's first token is scored too. Only the input's tokens are scored. The numbers come from the same
+engine path as /v1/completions with `echo`, `logprobs` and `max_tokens: 0`, so they are the same.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..config import Limits
+from ..engine.request import SamplingParams, SequenceGroup
+from ..engine.tokenizer import TextAssembler
+from ..output.logprobs import TokenNamer, legacy_logprobs
+from . import validation as v
+from .common import ResidualRequest, check_request_caps, parse_residual
+from .completions import parse_prompt
+from .errors import InvalidRequest
+
+SCORE_FIELDS = {"model", "input", "context", "add_bos", "top_logprobs", "output_residual_stream",
+                "return_tokens_as_token_ids", "user"}
+
+
+@dataclass
+class ScoreRequest:
+    model: str
+    inputs: list  # list[str] or list[list[int]]
+    contexts: list[str | None]
+    add_bos: bool
+    top_logprobs: int | None
+    return_tokens_as_token_ids: bool
+    residual: ResidualRequest | None
+
+
+@dataclass
+class ScoreItem:
+    token_ids: list[int]  # what the model runs: [BOS] + context + input
+    first: int  # index of the input's first token in token_ids
+    text: str | None  # the input text (None for token ids)
+
+
+def parse_score(body: dict, limits: Limits) -> ScoreRequest:
+    v.check_known_fields(body, SCORE_FIELDS, {})
+    model = v.get_str(body, "model", required=True)
+    if "input" not in body:
+        raise InvalidRequest("Missing required parameter: 'input'.", "input")
+    try:
+        inputs = parse_prompt(body.get("input"))
+    except InvalidRequest as exc:
+        raise InvalidRequest(exc.message.replace("'prompt'", "'input'"), "input") from None
+    context = body.get("context")
+    if context is None:
+        contexts = [None] * len(inputs)
+    elif isinstance(context, str):
+        contexts = [context] * len(inputs)
+    elif isinstance(context, list) and all(isinstance(c, str) for c in context):
+        if len(context) != len(inputs):
+            raise InvalidRequest(f"Invalid value for 'context': {len(context)} contexts for {len(inputs)} inputs; "
+                                 "send one context, or one per input.", "context")
+        contexts = list(context)
+    else:
+        raise v.type_error("context", "a string or an array of strings")
+    if len(inputs) > limits.max_prompts:
+        raise InvalidRequest(f"Too many inputs: this server takes at most {limits.max_prompts} inputs in one "
+                             f"request (max_prompts), and this one has {len(inputs)}.", "input")
+    return ScoreRequest(model, inputs, contexts, v.get_bool(body, "add_bos", True),
+                        v.get_int(body, "top_logprobs", None, ge=0, le=limits.max_logprobs),
+                        v.get_bool(body, "return_tokens_as_token_ids", False),
+                        parse_residual(body.get("output_residual_stream")))
+
+
+def tokenize_items(engine, req: ScoreRequest) -> list[ScoreItem]:
+    tok, info = engine.tokenizer, engine.info
+    start_id = info.bos_token_id if info.bos_token_id is not None else info.eos_token_id
+    items = []
+    for i, (inp, ctx) in enumerate(zip(req.inputs, req.contexts)):
+        head = [start_id] if req.add_bos and start_id is not None else []
+        if ctx:
+            head += tok(ctx, add_special_tokens=False).input_ids
+        if isinstance(inp, str):
+            ids = tok(inp, add_special_tokens=False).input_ids
+        else:
+            bad = [t for t in inp if t < 0 or t >= info.vocab_size]
+            if bad:
+                raise InvalidRequest(f"Invalid value for 'input': token id {bad[0]} is outside the vocabulary "
+                                     f"(0 to {info.vocab_size - 1}).", "input")
+            ids = list(inp)
+            if head == [start_id] and ids and ids[0] == start_id:
+                head = []  # the ids already start with it
+        if not ids:
+            raise InvalidRequest(f"Invalid value for 'input': input {i} has no tokens.", "input")
+        items.append(ScoreItem(head + ids, len(head), inp if isinstance(inp, str) else None))
+    return items
+
+
+def check_caps(engine, req: ScoreRequest, items: list[ScoreItem], limits: Limits) -> None:
+    params = SamplingParams(max_tokens=0, echo=True, logprobs=req.top_logprobs or 0)
+    check_request_caps(engine, [it.token_ids for it in items], params, req.residual, limits,
+                       prompt_param="input", max_tokens_param="input")
+
+
+def build_groups(engine, req: ScoreRequest, items: list[ScoreItem], request_id: str) -> list[SequenceGroup]:
+    params = SamplingParams(max_tokens=0, echo=True, logprobs=req.top_logprobs or 0)
+    return [SequenceGroup(request_id, it.token_ids, params, engine.table) for it in items]
+
+
+def format_response(engine, req: ScoreRequest, items: list[ScoreItem], groups: list[SequenceGroup]) -> dict:
+    namer = TokenNamer(engine.table.strings, req.return_tokens_as_token_ids)
+    data, total = [], 0
+    for index, (item, group) in enumerate(zip(items, groups)):
+        pc = group.prompt_columns
+        sl = slice(item.first, len(item.token_ids))
+        ids = np.asarray(item.token_ids[sl], dtype=np.int64)
+        asm = TextAssembler(engine.table)
+        for t in ids.tolist():
+            asm.add(t)
+        k = req.top_logprobs or 0
+        shaped = legacy_logprobs(namer, ids, pc.logprobs[sl], pc.top_ids[sl, :k], pc.top_logprobs[sl, :k],
+                                 asm.offsets, first_is_null=item.first == 0)
+        scored = pc.logprobs[sl][1:] if item.first == 0 else pc.logprobs[sl]
+        ranks = pc.ranks[sl][1:] if item.first == 0 else pc.ranks[sl]
+        num = len(scored)
+        total_lp = float(np.sum(scored, dtype=np.float64))
+        mean = total_lp / num if num else None
+        entry = {"index": index, "tokens": shaped["tokens"], "token_ids": ids.tolist(),
+                 "token_logprobs": shaped["token_logprobs"], "text_offset": shaped["text_offset"]}
+        if req.top_logprobs is not None:
+            entry["top_logprobs"] = shaped["top_logprobs"]
+        entry.update({"logprob": total_lp, "mean_logprob": mean,
+                      "perplexity": _perplexity(mean),
+                      "num_tokens": num, "is_greedy": bool(np.all(ranks == 1))})
+        data.append(entry)
+        total += len(item.token_ids)
+    return {"object": "list", "model": engine.info.name, "data": data,
+            "usage": {"prompt_tokens": total, "total_tokens": total}}
+
+
+def _perplexity(mean: float | None) -> float | None:
+    """exp(-mean); null where there is no token to average or it overflows a double."""
+    if mean is None or -mean > 709.0:
+        return None
+    return math.exp(-mean)

@@ -1,0 +1,83 @@
+"""/v1/score against a float64 reference, and against /v1/completions with echo + logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+TOL = 1e-5
+
+
+def score(client, **body):
+    body.setdefault("model", "tiny")
+    r = client.post("/v1/score", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_score_matches_reference_with_bos(client, reference, tiny_engine):
+    text = "The cat sat on the mat."
+    out = score(client, input=text, top_logprobs=3)
+    item = out["data"][0]
+    bos = tiny_engine.info.bos_token_id
+    ids = tiny_engine.tokenizer(text, add_special_tokens=False).input_ids
+    assert item["token_ids"] == ids and item["num_tokens"] == len(ids)
+    ref = reference.logprobs([bos] + ids).numpy()
+    want = [ref[i][ids[i]] for i in range(len(ids))]  # every input token is scored, the first too
+    np.testing.assert_allclose(item["token_logprobs"], want, atol=TOL)
+    assert abs(item["logprob"] - sum(want)) < 1e-4
+    assert abs(item["mean_logprob"] - sum(want) / len(ids)) < 1e-5
+    assert math.isclose(item["perplexity"], math.exp(-sum(want) / len(ids)), rel_tol=1e-5)
+    assert item["is_greedy"] == all(np.argmax(ref[i]) == ids[i] for i in range(len(ids)))
+    assert item["tokens"] == [tiny_engine.table.strings[t] for t in ids]
+    for off, tok in zip(item["text_offset"], item["tokens"]):
+        assert text[off:off + len(tok)] == tok
+    for i, m in enumerate(item["top_logprobs"]):
+        assert len(m) in (3, 4) and item["tokens"][i] in m
+    assert out["usage"]["prompt_tokens"] == len(ids) + 1
+
+
+def test_score_equals_completions_echo(client):
+    ids = [40, 41, 42, 43, 44]
+    s = score(client, input=ids, add_bos=False)["data"][0]
+    c = client.post("/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": 0, "echo": True,
+                                              "logprobs": 0}).json()["choices"][0]["logprobs"]
+    assert s["token_logprobs"][0] is None and c["token_logprobs"][0] is None
+    assert s["token_logprobs"] == c["token_logprobs"]
+    assert s["num_tokens"] == 4
+
+
+def test_context_is_conditioned_on_not_scored(client, reference, tiny_engine):
+    out = score(client, input=[" mat", " rug"], context="The cat sat on the")
+    bos = tiny_engine.info.bos_token_id
+    ctx = tiny_engine.tokenizer("The cat sat on the", add_special_tokens=False).input_ids
+    for item, word in zip(out["data"], [" mat", " rug"]):
+        ids = tiny_engine.tokenizer(word, add_special_tokens=False).input_ids
+        full = [bos] + ctx + ids
+        ref = reference.logprobs(full).numpy()
+        want = [ref[len(full) - len(ids) - 1 + i][ids[i]] for i in range(len(ids))]
+        np.testing.assert_allclose(item["token_logprobs"], want, atol=TOL)
+        assert item["tokens"] == [tiny_engine.table.strings[t] for t in ids]
+
+
+def test_score_errors(client):
+    def err(body):
+        r = client.post("/v1/score", json={"model": "tiny", **body})
+        assert r.status_code == 400, r.text
+        return r.json()["error"]
+
+    assert err({})["param"] == "input"
+    assert err({"input": 5})["param"] == "input"
+    assert err({"input": ["a", "b"], "context": ["x"]})["param"] == "context"
+    assert err({"input": "a", "top_logprobs": 101})["param"] == "top_logprobs"
+    assert err({"input": [1, 99999999]})["param"] == "input"
+    assert err({"input": "a", "echo": True})["param"] == "echo"
+    assert err({"input": [5] * 300})["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("n", [1, 7])
+def test_many_inputs(client, n):
+    out = score(client, input=[f"text number {i}" for i in range(n)])
+    assert [d["index"] for d in out["data"]] == list(range(n))
