@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import orjson
 import pytest
 from fastapi.testclient import TestClient
 
@@ -32,10 +33,27 @@ def test_whole_vocabulary_cap_with_residual_stream_16(client):
     code, err = status(client, {"prompt": [9] * 17, "max_tokens": 0, "prompt_logprobs": -1,
                                 "output_residual_stream": [0, -1]})
     assert code == 400 and err["param"] == "prompt_logprobs" and "16" in err["message"] and "17" in err["message"]
-    # at 16 the cap passes; activations themselves are not served yet, and say so
-    code, err = status(client, {"prompt": [9] * 16, "max_tokens": 0, "prompt_logprobs": -1,
-                                "output_residual_stream": {"layers": [1], "dtype": "float16"}})
-    assert code == 400 and err["param"] == "output_residual_stream" and "not available yet" in err["message"]
+    code, body = status(client, {"prompt": [9] * 16, "max_tokens": 0, "prompt_logprobs": -1,
+                                 "output_residual_stream": {"layers": [1], "dtype": "float16"}})
+    assert code == 200
+    assert orjson.loads(body)["choices"][0]["residual_stream"]["num_positions"] == 16
+
+
+def test_residual_vectors_cap(client):
+    # (100 prompt + 28 generated) x 2 layers x n 2 = 512 per prompt; 128 prompts = 65,536: the cap
+    body = {"prompt": [[9] * 100] * 128, "max_tokens": 28, "n": 2, "output_residual_stream": [0, 1]}
+    code, err = status(client, {**body, "prompt": [[9] * 100] * 128 + [[9]]})  # + (1 + 28) x 2 x 2
+    assert code == 400 and err["param"] == "output_residual_stream"
+    assert "65652" in err["message"] and "65536" in err["message"]
+
+
+def test_residual_vectors_cap_at_its_limit(tiny_engine):
+    with TestClient(create_app(tiny_engine, Limits(max_residual_vectors=60))) as c:
+        body = {"prompt": [[9] * 10, [8] * 5], "max_tokens": 0, "n": 2, "output_residual_stream": [0, -1, 1]}
+        code, out = status(c, body)  # (10 + 5) x 3 layers x 2 = 90 > 60
+        assert code == 400 and out["param"] == "output_residual_stream"
+        code, out = status(c, {**body, "output_residual_stream": [0, -1]})  # 15 x 2 x 2 = 60
+        assert code == 200 and out["choices"][3]["residual_stream"]["num_positions"] == 5
 
 
 @pytest.mark.parametrize("value", [[], [1.5], {"layers": [0], "dtype": "int8"}, {"layers": [0], "encoding": "hex"},

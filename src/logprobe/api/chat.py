@@ -17,7 +17,8 @@ from ..config import Limits
 from ..engine.request import SamplingParams, SequenceGroup
 from ..output.logprobs import TokenNamer, chat_logprobs_content
 from . import validation as v
-from .common import ResidualRequest, check_request_caps, parse_shared, prompt_logprobs_parts
+from .common import (ResidualRequest, check_request_caps, parse_shared, prompt_logprobs_parts,
+                     residual_layers, residual_of)
 from .errors import InvalidRequest
 from .streaming import sse
 
@@ -130,7 +131,8 @@ def check_caps(engine, req: ChatRequest, ids: list[int], limits: Limits) -> None
 
 
 def build_group(engine, req: ChatRequest, ids: list[int], request_id: str) -> SequenceGroup:
-    params = SamplingParams(**{**req.params.__dict__, "stop_token_ids": engine.info.stop_token_ids})
+    params = SamplingParams(**{**req.params.__dict__, "stop_token_ids": engine.info.stop_token_ids,
+                               "residual_layers": residual_layers(engine, req.residual)})
     return SequenceGroup(request_id, ids, params, engine.table)
 
 
@@ -150,8 +152,11 @@ def format_response(engine, req: ChatRequest, group: SequenceGroup, parts) -> di
         if req.top_logprobs is not None:
             cols = seq.columns(req.top_logprobs)
             logprobs = {"content": _content(engine, req, namer, *cols, seq.finish_reason.value), "refusal": None}
-        choices.append({"index": seq.index, "message": {"role": "assistant", "content": text},
-                        "logprobs": logprobs, "finish_reason": seq.finish_reason.value})
+        choice = {"index": seq.index, "message": {"role": "assistant", "content": text},
+                  "logprobs": logprobs, "finish_reason": seq.finish_reason.value}
+        if req.residual is not None:
+            choice["residual_stream"] = residual_of(engine, req.residual, seq)
+        choices.append(choice)
     out = {"id": "chatcmpl-" + secrets.token_hex(8), "object": "chat.completion", "created": int(time.time()),
            "model": engine.info.name, "choices": choices,
            "usage": {"prompt_tokens": group.num_prompt_tokens, "completion_tokens": completion_tokens,
@@ -198,5 +203,5 @@ def stream_formatters(engine, req: ChatRequest, group: SequenceGroup):
 
 
 def no_work(req: ChatRequest) -> bool:
-    return req.params.max_tokens == 0 and not req.params.needs_prompt_logits
+    return req.params.max_tokens == 0 and not req.params.needs_prompt_logits and req.residual is None
 

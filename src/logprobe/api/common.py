@@ -15,6 +15,7 @@ from ..config import Limits
 from ..engine.request import SamplingParams, SequenceGroup
 from ..output.logprobs import ranks_of_top
 from ..output.prompt_json import iter_dense
+from ..output.residual import residual_payload
 from . import validation as v
 from .errors import ContextLengthExceeded, InvalidRequest
 
@@ -91,9 +92,13 @@ def parse_shared(body: dict, limits: Limits) -> SharedFields:
         if sampling["prompt_logprobs"] != -1:
             raise InvalidRequest("'vocab_encoding' is only used with 'prompt_logprobs': -1.", "vocab_encoding")
     v.get_str(body, "user")
+    residual = parse_residual(body.get("output_residual_stream"))
+    if stream and residual is not None:
+        raise InvalidRequest("'output_residual_stream' does not work with 'stream': true. Send the request "
+                             "without streaming to get activations.", "output_residual_stream")
     return SharedFields(
         sampling=sampling, stream=stream, include_usage=include_usage, vocab_encoding=vocab_encoding,
-        residual=parse_residual(body.get("output_residual_stream")),
+        residual=residual,
         return_tokens_as_token_ids=v.get_bool(body, "return_tokens_as_token_ids", False),
     )
 
@@ -130,8 +135,12 @@ def check_request_caps(engine, prompts: list[list[int]], params: SamplingParams,
             raise InvalidRequest(f"Invalid value for 'output_residual_stream': layer {bad[0]} does not exist; "
                                  f"this model has layers 0 to {num_layers} (or -{num_layers + 1} to -1).",
                                  "output_residual_stream")
-        raise InvalidRequest("'output_residual_stream' is not available yet on this server.",
-                             "output_residual_stream")
+        vectors = sum(len(ids) + params.max_tokens for ids in prompts) * len(residual.layers) * params.n
+        if vectors > limits.max_residual_vectors:
+            raise InvalidRequest(
+                f"Too many residual-stream vectors: positions x layers x n, summed over the prompts, is "
+                f"{vectors}, over this server's cap of {limits.max_residual_vectors} (max_residual_vectors). "
+                "Ask for fewer layers, positions or choices.", "output_residual_stream")
     if params.needs_prompt_logits:
         if positions > limits.max_prompt_logprob_positions:
             param = "prompt_logprobs" if params.prompt_logprobs is not None else "logprobs"
@@ -184,3 +193,18 @@ def iter_body(payload: dict, parts) -> Iterator[bytes]:
         yield from parts[int(m.group(2))]()
         pos = m.end()
     yield encoded[pos:]
+
+
+def residual_layers(engine, residual: ResidualRequest | None) -> tuple[int, ...]:
+    """The asked layers as indices 0..num_layers (negative ones count from the end)."""
+    if residual is None:
+        return ()
+    top = engine.info.num_layers + 1
+    return tuple(sorted({layer % top for layer in residual.layers}))
+
+
+def residual_of(engine, residual: ResidualRequest | None, seq, rows: slice = slice(None)) -> dict | None:
+    if residual is None:
+        return None
+    return residual_payload(seq.residual, residual.layers, engine.info.num_layers, residual.dtype,
+                            residual.encoding, rows)

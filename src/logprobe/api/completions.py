@@ -17,7 +17,8 @@ from ..engine.request import SamplingParams, SequenceGroup
 from ..engine.tokenizer import TextAssembler
 from ..output.logprobs import TokenNamer, legacy_logprobs
 from . import validation as v
-from .common import Parts, ResidualRequest, check_request_caps, parse_shared, prompt_logprobs_parts
+from .common import (Parts, ResidualRequest, check_request_caps, parse_shared, prompt_logprobs_parts,
+                     residual_layers, residual_of)
 from .errors import InvalidRequest
 from .streaming import sse
 
@@ -133,7 +134,8 @@ def build_groups(engine, req: CompletionRequest, prompts: list[Prompt], request_
     groups, echoes = [], []
     for p in prompts:
         params = req.params
-        params = SamplingParams(**{**params.__dict__, "stop_token_ids": engine.info.stop_token_ids})
+        params = SamplingParams(**{**params.__dict__, "stop_token_ids": engine.info.stop_token_ids,
+                                   "residual_layers": residual_layers(engine, req.residual)})
         echo_text, echo_offsets = "", []
         if params.echo:
             asm = TextAssembler(engine.table)
@@ -178,13 +180,16 @@ def format_response(engine, req: CompletionRequest, groups: list[SequenceGroup],
             mark = None
             if prompt_part is not None:
                 mark = parts.add(prompt_part)
-            choices.append({
+            choice = {
                 "index": g_index * params.n + seq.index,
                 "text": echo_text + text if params.echo else text,
                 "logprobs": logprobs,
                 "finish_reason": seq.finish_reason.value,
                 "prompt_logprobs": mark,
-            })
+            }
+            if req.residual is not None:
+                choice["residual_stream"] = residual_of(engine, req.residual, seq)
+            choices.append(choice)
     prompt_tokens = sum(g.num_prompt_tokens for g in groups)
     return {
         "id": "cmpl-" + secrets.token_hex(8),

@@ -118,7 +118,7 @@ async def create_completion(request: Request):
         format_deltas, final_chunks = cmpl.stream_formatters(engine, req, groups, echoes)
         return event_stream(stream_groups(engine, groups, req.params.logprobs or 0, request.state.request_id,
                                           format_deltas, final_chunks))
-    needs_engine = req.params.max_tokens > 0 or req.params.needs_prompt_logits
+    needs_engine = req.params.max_tokens > 0 or req.params.needs_prompt_logits or req.residual is not None
     if needs_engine:
         await run_while_connected(request, engine, groups)
     else:

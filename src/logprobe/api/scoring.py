@@ -18,7 +18,7 @@ from ..engine.request import SamplingParams, SequenceGroup
 from ..engine.tokenizer import TextAssembler
 from ..output.logprobs import TokenNamer, legacy_logprobs
 from . import validation as v
-from .common import ResidualRequest, check_request_caps, parse_residual
+from .common import ResidualRequest, check_request_caps, parse_residual, residual_layers, residual_of
 from .completions import parse_prompt
 from .errors import InvalidRequest
 
@@ -105,7 +105,8 @@ def check_caps(engine, req: ScoreRequest, items: list[ScoreItem], limits: Limits
 
 
 def build_groups(engine, req: ScoreRequest, items: list[ScoreItem], request_id: str) -> list[SequenceGroup]:
-    params = SamplingParams(max_tokens=0, echo=True, logprobs=req.top_logprobs or 0)
+    params = SamplingParams(max_tokens=0, echo=True, logprobs=req.top_logprobs or 0,
+                            residual_layers=residual_layers(engine, req.residual))
     return [SequenceGroup(request_id, it.token_ids, params, engine.table) for it in items]
 
 
@@ -134,6 +135,8 @@ def format_response(engine, req: ScoreRequest, items: list[ScoreItem], groups: l
         entry.update({"logprob": total_lp, "mean_logprob": mean,
                       "perplexity": _perplexity(mean),
                       "num_tokens": num, "is_greedy": bool(np.all(ranks == 1))})
+        if req.residual is not None:  # the input's tokens, in the order of the lists above
+            entry["residual_stream"] = residual_of(engine, req.residual, group.sequences[0], sl)
         data.append(entry)
         total += len(item.token_ids)
     return {"object": "list", "model": engine.info.name, "data": data,

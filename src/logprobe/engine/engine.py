@@ -178,13 +178,28 @@ class Engine:
         else:
             last = [group.sequences[i].token_ids[-1] for i in group.active_rows]
             self._postprocess(group, self.runner.decode(group, last))
+        if group.is_finished:
+            group.cache = None
+            if group.params.residual_layers:
+                self._capture_residual(group)
         if group.on_step is not None:
             group.on_step(group)
         if group.is_finished:
-            group.cache = None
             self._finish(group)
         else:
             self.scheduler.requeue(group)
+
+    def _capture_residual(self, group: SequenceGroup) -> None:
+        """Activations of every kept token of each choice, prompt then generated, from one forward pass
+        over the whole sequence: a generated token's vector is the one computed when it is the input
+        (the same as during decoding, without keeping hooks on the decode loop)."""
+        layers = list(group.params.residual_layers)
+        by_tokens: dict[tuple[int, ...], dict] = {}
+        for seq in group.sequences:
+            ids = tuple(group.prompt_ids) + tuple(seq.token_ids[:seq.num_kept_tokens])
+            if ids not in by_tokens:
+                by_tokens[ids] = self.runner.residual_stream(list(ids), layers)
+            seq.residual = by_tokens[ids]
 
     def _postprocess(self, group: SequenceGroup, lsm: torch.Tensor) -> None:
         """Sample a token for each active row, record its log probability and top-k, apply stops."""

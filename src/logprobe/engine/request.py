@@ -31,6 +31,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-k for generated tokens (None: no logprobs)
     echo: bool = False
     prompt_logprobs: int | None = None  # top-k for prompt positions (-1: whole vocabulary)
+    residual_layers: tuple[int, ...] = ()  # layers (0..num_layers) whose residual stream to return
 
     @property
     def is_greedy(self) -> bool:
@@ -91,10 +92,15 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.num_kept: int | None = None  # tokens kept after a stop string cut the text
         self.text_end: int | None = None  # length of the generated text after the cut
+        self.residual: dict[int, np.ndarray] | None = None  # layer -> [prompt + kept tokens, D]
 
     @property
     def is_finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def num_kept_tokens(self) -> int:
+        return len(self.token_ids) if self.num_kept is None else self.num_kept
 
     def columns(self, k: int):
         """(ids [T], logprobs [T], top ids [T, k], top logprobs [T, k]) of the kept tokens."""

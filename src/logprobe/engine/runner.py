@@ -17,6 +17,10 @@ from .request import PromptColumns, SequenceGroup
 POSITION_CHUNK = 256  # prompt positions whose logits are materialised at once
 
 
+class _Captured(Exception):
+    """Raised by the last activation hook: the rest of the forward pass is not needed."""
+
+
 def vocab_ranks(rows: torch.Tensor) -> torch.Tensor:
     """Rank of every entry of [B, V] rows: 1 + the number of strictly larger values in its row.
     One sort per row; equal values share the rank of the first of their run."""
@@ -92,6 +96,41 @@ class ModelRunner:
         ids = torch.tensor(last_tokens, dtype=torch.long, device=self.device)[:, None]
         hidden = self.decoder(input_ids=ids, cache=group.cache, use_cache=True).last_hidden_state
         return self.logprobs_of(hidden[:, -1])
+
+    @torch.inference_mode()
+    def residual_stream(self, ids: list[int], layers: list[int]) -> dict[int, np.ndarray]:
+        """Run `ids` once without a cache and return {layer: [len(ids), D] float32} from hooks on just
+        the asked layers (nothing is hooked for requests that do not ask). Layer 0 is the input to
+        block 0 (the embeddings, scaled where the model scales them); layer l >= 1 is block l's output,
+        the residual stream before the final norm. The pass stops after the deepest asked layer."""
+        store: dict[int, torch.Tensor] = {}
+        deepest = max(layers)
+        handles = []
+
+        def keep(layer, hidden):
+            store[layer] = hidden[0].float().cpu()
+            if layer == deepest:
+                raise _Captured
+
+        try:
+            for layer in sorted(set(layers)):
+                if layer == 0:
+                    def pre_hook(module, args, kwargs):
+                        keep(0, args[0] if args else kwargs["hidden_states"])
+
+                    handles.append(self.decoder.layers[0].register_forward_pre_hook(pre_hook, with_kwargs=True))
+                else:
+                    def hook(module, inputs, output, layer=layer):
+                        keep(layer, output[0] if isinstance(output, tuple) else output)
+
+                    handles.append(self.decoder.layers[layer - 1].register_forward_hook(hook))
+            self.decoder(input_ids=torch.tensor([ids], dtype=torch.long, device=self.device), use_cache=False)
+        except _Captured:
+            pass
+        finally:
+            for h in handles:
+                h.remove()
+        return {layer: store[layer].numpy() for layer in store}
 
     @staticmethod
     def expand(group: SequenceGroup, rows: int) -> None:

@@ -1,0 +1,91 @@
+"""output_residual_stream against a float64 forward of the same weights and transformers'
+output_hidden_states."""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import pytest
+import torch
+
+TOL = 1e-5
+
+
+def decode(rs, layer):
+    raw = base64.b64decode(rs["data"][str(layer)])
+    dtype = {"float32": "<f4", "float16": "<f2"}[rs["dtype"]]
+    return np.frombuffer(raw, dtype=dtype).reshape(rs["num_positions"], rs["d_model"]).astype(np.float32)
+
+
+def hidden64(reference, ids):
+    with torch.inference_mode():
+        out = reference.model(torch.tensor([ids]), output_hidden_states=True)
+    return [h[0].numpy() for h in out.hidden_states]
+
+
+def test_prompt_and_generated_vectors_match_float64(client, reference, tiny_engine):
+    out = client.post("/v1/completions", json={
+        "model": "tiny", "prompt": "Read my activations", "max_tokens": 5, "seed": 3, "logprobs": 0,
+        "return_tokens_as_token_ids": True, "echo": True,
+        "output_residual_stream": {"layers": [0, 1, -1], "dtype": "float32", "encoding": "base64"}}).json()
+    choice = out["choices"][0]
+    ids = [int(t.split(":")[1]) for t in choice["logprobs"]["tokens"]]
+    rs = choice["residual_stream"]
+    num_layers = tiny_engine.info.num_layers
+    assert rs["layers"] == [0, 1, -1] and rs["num_positions"] == len(ids) and rs["d_model"] == 64
+    hs = hidden64(reference, ids)
+    np.testing.assert_allclose(decode(rs, 0), hs[0], atol=TOL)
+    np.testing.assert_allclose(decode(rs, 1), hs[1], atol=TOL)  # equal to hidden_states[l] for l < L
+    # the last layer is the stream before the final norm: the float64 norm of it is hidden_states[L]
+    last = torch.from_numpy(decode(rs, -1)).double()
+    normed = reference.model.model.norm(last).numpy()
+    np.testing.assert_allclose(normed, hs[num_layers], atol=1e-4)
+    assert not np.allclose(decode(rs, -1), hs[num_layers], atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype,encoding", [("float16", "base64"), ("bfloat16", "base64"), ("float32", "json"),
+                                            ("bfloat16", "json")])
+def test_dtypes_and_encodings(client, reference, tiny_engine, dtype, encoding):
+    ids = [10, 20, 30, 40]
+    out = client.post("/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": 0,
+                                                "output_residual_stream": {"layers": [2], "dtype": dtype,
+                                                                           "encoding": encoding}}).json()
+    rs = out["choices"][0]["residual_stream"]
+    assert rs["dtype"] == dtype and rs["encoding"] == encoding and rs["num_positions"] == 4
+    if encoding == "json":
+        got = np.array(rs["data"]["2"], dtype=np.float32)
+    elif dtype == "bfloat16":
+        bits = np.frombuffer(base64.b64decode(rs["data"]["2"]), dtype="<u2").astype(np.uint32) << 16
+        got = bits.view(np.float32).reshape(4, 64)
+    else:
+        got = decode(rs, 2)
+    # layer 2 of 2 is the last: compare before the final norm via the float64 reference's hook
+    captured = {}
+    handle = reference.model.model.layers[1].register_forward_hook(lambda m, i, o: captured.setdefault("h", o))
+    with torch.inference_mode():
+        reference.model(torch.tensor([ids]))
+    handle.remove()
+    want = (captured["h"][0] if isinstance(captured["h"], tuple) else captured["h"])[0].numpy()
+    tol = {"float32": TOL, "float16": 2e-3, "bfloat16": 2e-2}[dtype]
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+def test_score_and_chat_residual(client, reference, tiny_engine):
+    out = client.post("/v1/score", json={"model": "tiny", "input": "Score me", "output_residual_stream": [1]}).json()
+    item = out["data"][0]
+    rs = item["residual_stream"]
+    assert rs["num_positions"] == item["num_tokens"] == len(item["token_ids"])
+    bos = tiny_engine.info.bos_token_id
+    hs = hidden64(reference, [bos] + item["token_ids"])
+    np.testing.assert_allclose(decode(rs, 1), hs[1][1:], atol=TOL)  # the input's tokens only
+    chat = client.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                                      "max_tokens": 2, "output_residual_stream": [0]}).json()
+    rs = chat["choices"][0]["residual_stream"]
+    assert rs["num_positions"] == chat["usage"]["prompt_tokens"] + chat["usage"]["completion_tokens"]
+
+
+def test_residual_errors(client):
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "stream": True,
+                                              "output_residual_stream": [0]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "output_residual_stream"
