@@ -81,3 +81,15 @@ def test_score_errors(client):
 def test_many_inputs(client, n):
     out = score(client, input=[f"text number {i}" for i in range(n)])
     assert [d["index"] for d in out["data"]] == list(range(n))
+
+
+def test_many_inputs_share_one_forward_pass_and_stay_exact(client, reference, tiny_engine):
+    texts = ["a", "two words", "a somewhat longer text with more tokens in it", "x y z", "The end.", "!"]
+    before = tiny_engine.num_steps
+    out = score(client, input=texts)
+    assert tiny_engine.num_steps - before == 1  # one padded batch, not six passes
+    bos = tiny_engine.info.bos_token_id
+    for item, text in zip(out["data"], texts):
+        ids = tiny_engine.tokenizer(text, add_special_tokens=False).input_ids
+        ref = reference.logprobs([bos] + ids).numpy()
+        np.testing.assert_allclose(item["token_logprobs"], [ref[i][ids[i]] for i in range(len(ids))], atol=TOL)

@@ -144,14 +144,15 @@ class Engine:
             work = self.scheduler.schedule()
             if work is None:
                 continue
-            kind, group = work
+            kind, payload = work
             try:
-                self.step(kind, group)
-            except Exception as exc:  # a bug: fail this request, keep serving the others
-                log.exception("engine step failed for %s", group.request_id)
-                group.error = exc
-                group.cache = None
-                self._finish(group)
+                self.step(kind, payload)
+            except Exception as exc:  # a bug: fail these requests, keep serving the others
+                for group in payload if isinstance(payload, list) else [payload]:
+                    log.exception("engine step failed for %s", group.request_id)
+                    group.error = exc
+                    group.cache = None
+                    self._finish(group)
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -163,8 +164,16 @@ class Engine:
         except queue.Empty:
             return
 
-    def step(self, kind: str, group: SequenceGroup) -> None:
+    def step(self, kind: str, work) -> None:
         self.num_steps += 1
+        if kind == "score":
+            self.runner.prefill_batch(work)
+            for group in work:
+                for seq in group.sequences:
+                    seq.finish_reason = FinishReason.LENGTH
+                self._after_step(group)
+            return
+        group = work
         if kind == "prefill":
             lsm = self.runner.prefill(group)
             if group.params.max_tokens == 0:
@@ -178,6 +187,9 @@ class Engine:
         else:
             last = [group.sequences[i].token_ids[-1] for i in group.active_rows]
             self._postprocess(group, self.runner.decode(group, last))
+        self._after_step(group)
+
+    def _after_step(self, group: SequenceGroup) -> None:
         if group.is_finished:
             group.cache = None
             if group.params.residual_layers:

@@ -61,6 +61,27 @@ class ModelRunner:
                                                         keep_full=group.params.prompt_logprobs == -1)
         return self.logprobs_of(hidden[-1:])
 
+    @torch.inference_mode()
+    def prefill_batch(self, groups: list[SequenceGroup]) -> None:
+        """One forward pass for several prompt-only groups (right-padded, with an attention mask) that
+        fills each group's prompt columns. No KV cache is kept: nothing is generated."""
+        if len(groups) == 1:
+            self.prefill(groups[0])
+            groups[0].cache = None
+            return
+        longest = max(g.num_prompt_tokens for g in groups)
+        ids = torch.zeros((len(groups), longest), dtype=torch.long, device=self.device)
+        mask = torch.zeros((len(groups), longest), dtype=torch.long, device=self.device)
+        for row, g in enumerate(groups):
+            ids[row, :g.num_prompt_tokens] = torch.tensor(g.prompt_ids, dtype=torch.long)
+            mask[row, :g.num_prompt_tokens] = 1
+        hidden = self.decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+        for row, g in enumerate(groups):
+            if g.params.needs_prompt_logits:
+                n = g.num_prompt_tokens
+                g.prompt_columns = self._prompt_columns(hidden[row, :n], ids[row, :n], g.params.num_prompt_top,
+                                                        keep_full=g.params.prompt_logprobs == -1)
+
     def _prompt_columns(self, hidden: torch.Tensor, ids: torch.Tensor, k: int,
                         keep_full: bool = False) -> PromptColumns:
         num = ids.shape[0]
