@@ -29,6 +29,19 @@ def build_parser() -> argparse.ArgumentParser:
     caps = serve.add_argument_group("size caps (API.md section 8)")
     for f in fields(Limits):
         caps.add_argument("--" + f.name.replace("_", "-"), type=int, default=env_default(f.name, f.default))
+    score = sub.add_parser("score", help="print a text's per-token log probabilities (no server needed)")
+    score.add_argument("text", help="the text to score")
+    score.add_argument("--context", help="text that comes before, conditioned on but not scored")
+    score.add_argument("--model", default=env_default("model", s.model),
+                       help="as for serve; with --url, the served model's name or alias")
+    score.add_argument("--url", help="score on a running server (e.g. http://127.0.0.1:8000) instead")
+    score.add_argument("--api-key", default=env_default("api_key", None))
+    score.add_argument("--dtype", choices=["float32", "bfloat16", "auto"], default="float32")
+    score.add_argument("--device", default="cpu")
+    score.add_argument("--top", type=int, default=0, help="also return the k likeliest tokens (with --json)")
+    score.add_argument("--no-bos", action="store_true", help="do not put BOS in front (the first token is not scored)")
+    score.add_argument("--json", action="store_true", help="print the /v1/score response")
+    score.add_argument("--plot", metavar="PNG", help="draw probabilities and log probabilities per token")
     return parser
 
 
@@ -76,6 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return serve(settings_from_args(args))
+    if args.command == "score":
+        from . import score_cli
+
+        logging.basicConfig(level="WARNING")
+        return score_cli.main(args)
     return 2
 
 

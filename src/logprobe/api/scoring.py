@@ -128,8 +128,12 @@ def format_response(engine, req: ScoreRequest, items: list[ScoreItem], groups: l
         num = len(scored)
         total_lp = float(np.sum(scored, dtype=np.float64))
         mean = total_lp / num if num else None
+        token_ranks = pc.ranks[sl].tolist()
+        if item.first == 0:
+            token_ranks[0] = None
         entry = {"index": index, "tokens": shaped["tokens"], "token_ids": ids.tolist(),
-                 "token_logprobs": shaped["token_logprobs"], "text_offset": shaped["text_offset"]}
+                 "token_logprobs": shaped["token_logprobs"], "token_ranks": token_ranks,
+                 "text_offset": shaped["text_offset"]}
         if req.top_logprobs is not None:
             entry["top_logprobs"] = shaped["top_logprobs"]
         entry.update({"logprob": total_lp, "mean_logprob": mean,

@@ -70,3 +70,69 @@ def _post(http: httpx.Client, body: dict) -> dict:
     if r.status_code != 200:
         raise RuntimeError(f"logprobe answered {r.status_code}: {r.text[:500]}")
     return r.json()
+
+
+@dataclass
+class Score:
+    """One scored text: its tokens and their log probabilities (NaN where nothing precedes a token)."""
+
+    tokens: list[str]
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    ranks: np.ndarray  # 0 where unscored
+    text_offset: list[int]
+    logprob: float
+    mean_logprob: float | None
+    perplexity: float | None
+    is_greedy: bool
+    raw: dict
+
+
+def score(base_url: str, model: str, text, context=None, add_bos: bool = True, top_logprobs: int | None = None,
+          api_key: str | None = None, timeout: float = 600.0) -> list[Score]:
+    """POST /v1/score for one text or a list of texts; one `Score` per text, with numpy columns."""
+    body = {"model": model, "input": text, "add_bos": add_bos}
+    if context is not None:
+        body["context"] = context
+    if top_logprobs is not None:
+        body["top_logprobs"] = top_logprobs
+    data = _request(base_url, "/v1/score", body, api_key, timeout)["data"]
+    return [Score(d["tokens"], np.asarray(d["token_ids"]),
+                  np.array([np.nan if x is None else x for x in d["token_logprobs"]], dtype=np.float64),
+                  np.array([0 if x is None else x for x in d["token_ranks"]], dtype=np.int64),
+                  d["text_offset"], d["logprob"], d["mean_logprob"], d["perplexity"], d["is_greedy"], d)
+            for d in data]
+
+
+def residual_arrays(residual_stream: dict) -> dict[int, np.ndarray]:
+    """A `residual_stream` object -> {layer: [num_positions, d_model] float32 array}."""
+    shape = (residual_stream["num_positions"], residual_stream["d_model"])
+    out = {}
+    for key, value in residual_stream["data"].items():
+        if residual_stream["encoding"] == "json":
+            out[int(key)] = np.asarray(value, dtype=np.float32).reshape(shape)
+            continue
+        raw = base64.b64decode(value)
+        if residual_stream["dtype"] == "bfloat16":
+            bits = np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16
+            out[int(key)] = bits.view(np.float32).reshape(shape)
+        else:
+            out[int(key)] = np.frombuffer(raw, dtype=_DTYPES[residual_stream["dtype"]]).astype(np.float32).reshape(shape)
+    return out
+
+
+def residual_stream(base_url: str, model: str, text, layers: list[int], dtype: str = "float32",
+                    add_bos: bool = True, api_key: str | None = None, timeout: float = 600.0) -> dict[int, np.ndarray]:
+    """The residual stream of a text's tokens at the asked layers (via /v1/score): {layer: [T, D]}."""
+    body = {"model": model, "input": text, "add_bos": add_bos,
+            "output_residual_stream": {"layers": layers, "dtype": dtype, "encoding": "base64"}}
+    data = _request(base_url, "/v1/score", body, api_key, timeout)["data"][0]
+    return residual_arrays(data["residual_stream"])
+
+
+def _request(base_url: str, path: str, body: dict, api_key: str | None, timeout: float) -> dict:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    r = httpx.post(base_url.rstrip("/") + path, json=body, headers=headers, timeout=timeout)
+    if r.status_code != 200:
+        raise RuntimeError(f"logprobe answered {r.status_code}: {r.text[:500]}")
+    return r.json()
