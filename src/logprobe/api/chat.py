@@ -200,8 +200,3 @@ def stream_formatters(engine, req: ChatRequest, group: SequenceGroup):
                                                       "total_tokens": group.num_prompt_tokens + completion}})]
 
     return format_deltas, final_chunks
-
-
-def no_work(req: ChatRequest) -> bool:
-    return req.params.max_tokens == 0 and not req.params.needs_prompt_logits and req.residual is None
-

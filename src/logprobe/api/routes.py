@@ -57,7 +57,14 @@ class ClientGone(Exception):
 
 async def run_while_connected(request: Request, engine, groups) -> None:
     """Run groups in the engine; if the client disconnects first, abort them (the engine drops them
-    before their next step) instead of finishing work nobody will read."""
+    before their next step) instead of finishing work nobody will read. Groups that need no forward
+    pass are finished here without queueing."""
+    for group in [g for g in groups if not g.params.needs_forward]:
+        for seq in group.sequences:
+            seq.finish_reason = FinishReason.LENGTH
+    groups = [g for g in groups if g.params.needs_forward]
+    if not groups:
+        return
     run = asyncio.ensure_future(engine.run(groups))
 
     async def wait_for_disconnect():
@@ -111,20 +118,14 @@ async def create_completion(request: Request):
     body = await read_json(request)
     req = cmpl.parse_completion(body, limits)
     engine = resolve_model(request, req.model)
-    prompts = cmpl.tokenize_prompts(engine, req)
+    prompts = await run_in_threadpool(cmpl.tokenize_prompts, engine, req)  # long texts: off the event loop
     cmpl.check_caps(engine, req, prompts, limits)
     groups, echoes = cmpl.build_groups(engine, req, prompts, request.state.request_id)
     if req.stream:
         format_deltas, final_chunks = cmpl.stream_formatters(engine, req, groups, echoes)
         return event_stream(stream_groups(engine, groups, req.params.logprobs or 0, request.state.request_id,
                                           format_deltas, final_chunks))
-    needs_engine = req.params.max_tokens > 0 or req.params.needs_prompt_logits or req.residual is not None
-    if needs_engine:
-        await run_while_connected(request, engine, groups)
-    else:
-        for g in groups:
-            for s in g.sequences:
-                s.finish_reason = FinishReason.LENGTH
+    await run_while_connected(request, engine, groups)
     payload, parts = cmpl.format_response(engine, req, groups, echoes)
     return await body_response(payload, parts, whole_vocab=req.params.prompt_logprobs == -1)
 
@@ -148,18 +149,14 @@ async def create_chat_completion(request: Request):
     body = await read_json(request)
     req = chat.parse_chat(body, limits)
     engine = resolve_model(request, req.model)
-    ids = chat.render_prompt(engine, req)
+    ids = await run_in_threadpool(chat.render_prompt, engine, req)
     chat.check_caps(engine, req, ids, limits)
     group = chat.build_group(engine, req, ids, request.state.request_id)
     if req.stream:
         format_deltas, final_chunks = chat.stream_formatters(engine, req, group)
         return event_stream(stream_groups(engine, [group], req.params.logprobs or 0, request.state.request_id,
                                           format_deltas, final_chunks))
-    if chat.no_work(req):
-        for s in group.sequences:
-            s.finish_reason = FinishReason.LENGTH
-    else:
-        await run_while_connected(request, engine, [group])
+    await run_while_connected(request, engine, [group])
     parts = Parts()
     payload = chat.format_response(engine, req, group, parts)
     return await body_response(payload, parts, whole_vocab=req.params.prompt_logprobs == -1)
@@ -173,7 +170,7 @@ async def score(request: Request):
     body = await read_json(request)
     req = scoring.parse_score(body, limits)
     engine = resolve_model(request, req.model)
-    items = scoring.tokenize_items(engine, req)
+    items = await run_in_threadpool(scoring.tokenize_items, engine, req)
     scoring.check_caps(engine, req, items, limits)
     groups = scoring.build_groups(engine, req, items, request.state.request_id)
     await run_while_connected(request, engine, groups)

@@ -46,6 +46,12 @@ class SamplingParams:
         return max(0, *ks)
 
     @property
+    def needs_forward(self) -> bool:
+        """False only for a request that asks for nothing the model computes (max_tokens 0, no prompt
+        log probabilities, no activations): it is answered without the engine."""
+        return self.max_tokens > 0 or self.needs_prompt_logits or bool(self.residual_layers)
+
+    @property
     def needs_prompt_logits(self) -> bool:
         return self.prompt_logprobs is not None or (self.echo and self.logprobs is not None)
 
