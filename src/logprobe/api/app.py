@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import Response
+from starlette.responses import FileResponse, Response
+from starlette.staticfiles import StaticFiles
 
 from ..config import Limits
 from .errors import APIError, InternalError, error_response, new_request_id
@@ -66,6 +68,13 @@ def create_app(engine, limits: Limits | None = None) -> FastAPI:
     app.state.engine = engine
     app.state.limits = limits or Limits()
     app.include_router(router)
+    web = Path(__file__).resolve().parent.parent / "web"
+    app.mount("/static", StaticFiles(directory=web), name="static")
+
+    @app.get("/", include_in_schema=False)
+    async def playground():
+        """The playground: a page that shows what the model thought of each token."""
+        return FileResponse(web / "index.html", media_type="text/html")
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError):

@@ -1,0 +1,348 @@
+// logprobe playground: plain JavaScript over the public API (no build step, nothing fetched from
+// elsewhere). Score: tokens coloured by surprisal, alternatives, charts. Generate: a streamed
+// continuation with alternatives and branching. Compare: several texts side by side.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const state = { model: null, bosId: null, score: null, gen: { tokens: [], prompt: "", controller: null } };
+const LN2 = Math.log(2);
+
+// ---- API --------------------------------------------------------------------------------------
+function headers() {
+  const h = { "Content-Type": "application/json" };
+  const key = sessionStorage.getItem("logprobe-key");
+  if (key) h["Authorization"] = "Bearer " + key;
+  return h;
+}
+
+async function api(path, body) {
+  const r = await fetch(path, body === undefined ? { headers: headers() }
+    : { method: "POST", headers: headers(), body: JSON.stringify(body) });
+  const data = await r.json();
+  if (!r.ok) throw new Error((data.error && data.error.message) || r.statusText);
+  return data;
+}
+
+async function* streamEvents(path, body, signal) {
+  const r = await fetch(path, { method: "POST", headers: headers(), body: JSON.stringify(body), signal });
+  if (!r.ok) { const e = await r.json(); throw new Error(e.error ? e.error.message : r.statusText); }
+  const reader = r.body.getReader(), decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += decoder.decode(value, { stream: true });
+    let cut;
+    while ((cut = buffer.indexOf("\n\n")) >= 0) {
+      const event = buffer.slice(0, cut); buffer = buffer.slice(cut + 2);
+      if (!event.startsWith("data: ")) continue;
+      const payload = event.slice(6);
+      if (payload === "[DONE]") return;
+      const data = JSON.parse(payload);
+      if (data.error) throw new Error(data.error.message);
+      yield data;
+    }
+  }
+}
+
+function setStatus(id, text, isError) {
+  const el = $(id); el.textContent = text; el.classList.toggle("error", !!isError);
+}
+
+// ---- shared rendering -------------------------------------------------------------------------
+const fmt = (x, d = 4) => (x === null || x === undefined ? "–" : Number(x).toFixed(d));
+const bits = (lp) => -lp / LN2;
+function surprisalColour(b) {            // 0 bits: green, 16+ bits: red
+  const t = Math.max(0, Math.min(1, b / 16));
+  return `hsl(${Math.round(120 * (1 - t))}, 75%, ${Math.round(86 - 6 * t)}%)`;
+}
+function visible(s) { return s.replace(/\n/g, "⏎\n").replace(/\t/g, "⇥"); }
+function el(tag, attrs = {}, text) {
+  const e = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, v);
+  if (text !== undefined) e.textContent = text;
+  return e;
+}
+
+function sortedAlternatives(map) {
+  return Object.entries(map || {}).sort((a, b) => b[1] - a[1]);
+}
+
+const tooltip = $("tooltip");
+function showTooltip(anchor, info, onPick) {
+  clearTimeout(hideTimer);
+  tooltip.replaceChildren();
+  tooltip.appendChild(el("div", { class: "head" }, JSON.stringify(info.token)));
+  const facts = el("div", { class: "facts" });
+  const parts = [`p = ${fmt(Math.exp(info.logprob))}`, `log p = ${fmt(info.logprob)}`,
+    info.rank ? `rank ${info.rank}` : null, `${fmt(bits(info.logprob), 2)} bits`].filter(Boolean);
+  parts.forEach((p) => facts.appendChild(el("span", {}, p)));
+  tooltip.appendChild(facts);
+  const table = el("table", { "aria-label": "Likeliest tokens at this position" });
+  for (const [tok, lp] of sortedAlternatives(info.top)) {
+    const tr = el("tr", tok === info.token ? { class: "own" } : {});
+    const cell = el("td");
+    if (onPick && tok !== info.token) {
+      const b = el("button", { class: "alt", title: "Branch: continue with this token" }, JSON.stringify(tok));
+      b.addEventListener("click", () => { hideTooltip(); onPick(tok, lp); });
+      cell.appendChild(b);
+    } else cell.textContent = JSON.stringify(tok);
+    tr.append(cell, el("td", {}, fmt(Math.exp(lp))), el("td", {}, fmt(lp, 3)));
+    table.appendChild(tr);
+  }
+  tooltip.appendChild(table);
+  tooltip.hidden = false;
+  const r = anchor.getBoundingClientRect();
+  const w = tooltip.offsetWidth, h = tooltip.offsetHeight;
+  let left = Math.min(Math.max(4, r.left), window.innerWidth - w - 4);
+  let top = r.bottom + 6;
+  if (top + h > window.innerHeight) top = Math.max(4, r.top - h - 6);
+  tooltip.style.left = left + "px"; tooltip.style.top = top + "px";
+}
+let hideTimer = null;
+function hideTooltip() { clearTimeout(hideTimer); tooltip.hidden = true; }
+function hideSoon() {              // leaves time to move the pointer onto the tooltip's buttons
+  clearTimeout(hideTimer);
+  hideTimer = setTimeout(() => { tooltip.hidden = true; }, 250);
+}
+tooltip.addEventListener("mouseenter", () => clearTimeout(hideTimer));
+tooltip.addEventListener("mouseleave", hideSoon);
+document.addEventListener("keydown", (e) => { if (e.key === "Escape") hideTooltip(); });
+
+function tokenSpan(text, info, onPick, onSelect) {
+  const span = el("span", { class: "tok", tabindex: "0", role: "button",
+    "aria-label": `${JSON.stringify(info.token)}, log probability ${fmt(info.logprob, 3)}` });
+  span.textContent = text === "" ? "▯" : visible(text);
+  if (info.logprob !== null) span.style.background = surprisalColour(bits(info.logprob));
+  const open = () => { if (info.logprob !== null) showTooltip(span, info, onPick); };
+  span.addEventListener("mouseenter", open);
+  span.addEventListener("focus", () => { open(); if (onSelect) onSelect(); });
+  span.addEventListener("mouseleave", () => { if (document.activeElement !== span) hideSoon(); });
+  span.addEventListener("blur", (e) => { if (!tooltip.contains(e.relatedTarget)) hideTooltip(); });
+  span.addEventListener("click", () => { if (onSelect) onSelect(); open(); });
+  span.addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && onPick) { const first = tooltip.querySelector("button.alt"); if (first) first.focus(); }
+  });
+  return span;
+}
+
+// ---- SVG charts -------------------------------------------------------------------------------
+const SVG = "http://www.w3.org/2000/svg";
+function svg(tag, attrs = {}, text) {
+  const e = document.createElementNS(SVG, tag);
+  for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, v);
+  if (text !== undefined) e.textContent = text;
+  return e;
+}
+
+function lineChart(target, series, labels) {
+  const W = 560, H = 220, L = 36, B = 22, T = 30;
+  const all = series.flatMap((s) => s.values.filter((v) => v !== null));
+  const max = Math.max(1, ...all);
+  const n = labels.length, x = (i) => L + (n <= 1 ? 0 : (i * (W - L - 8)) / (n - 1));
+  const y = (v) => T + (H - T - B) * (1 - v / max);
+  const root = svg("svg", { viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": series.map((s) => s.name).join(" and ") + " per token" });
+  for (let k = 0; k <= 4; k++) {
+    const v = (max * k) / 4;
+    root.append(svg("line", { x1: L, x2: W - 4, y1: y(v), y2: y(v), stroke: "#e3e6ee" }),
+      svg("text", { x: 2, y: y(v) + 4 }, v.toFixed(1)));
+  }
+  series.forEach((s) => {
+    const pts = s.values.map((v, i) => (v === null ? null : `${x(i)},${y(v)}`)).filter(Boolean).join(" ");
+    root.append(svg("polyline", { points: pts, fill: "none", stroke: s.colour, "stroke-width": 2, "stroke-dasharray": s.dash || "" }));
+    s.values.forEach((v, i) => { if (v !== null) root.append(svg("circle", { cx: x(i), cy: y(v), r: 3, fill: s.colour })); });
+  });
+  labels.forEach((lab, i) => { if (n <= 24 || i % Math.ceil(n / 24) === 0) root.append(svg("text", { x: x(i), y: H - 6, "text-anchor": "middle" }, lab.slice(0, 6))); });
+  series.forEach((s, k) => root.append(svg("text", { x: L + 160 * k, y: 12, fill: s.colour }, "— " + s.name)));
+  target.replaceChildren(root);
+}
+
+function barChart(target, alternatives) {
+  // Probability and log probability of the k likeliest, side by side (seed 003's two views).
+  const W = 560, rowH = 22, H = 28 + rowH * alternatives.length, mid = W / 2, labelW = 90;
+  const root = svg("svg", { viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": "Probability and log probability of the likeliest tokens" });
+  root.append(svg("text", { x: labelW, y: 14 }, "probability"), svg("text", { x: mid + labelW, y: 14 }, "log probability"));
+  const minLp = Math.min(-1, ...alternatives.map((a) => a[1]));
+  alternatives.forEach(([tok, lp], i) => {
+    const yy = 22 + i * rowH, p = Math.exp(lp);
+    const pw = (mid - labelW - 60) * p, lw = (mid - labelW - 60) * (lp / minLp);
+    root.append(
+      svg("text", { x: 2, y: yy + 14 }, JSON.stringify(tok).slice(0, 12)),
+      svg("rect", { x: labelW, y: yy + 3, width: Math.max(1, pw), height: rowH - 8, fill: "navy" }),
+      svg("text", { x: labelW + pw + 4, y: yy + 14 }, p.toFixed(3)),
+      svg("text", { x: mid + 2, y: yy + 14 }, JSON.stringify(tok).slice(0, 12)),
+      svg("rect", { x: mid + labelW, y: yy + 3, width: Math.max(1, lw), height: rowH - 8, fill: "darkgreen" }),
+      svg("text", { x: mid + labelW + lw + 4, y: yy + 14 }, lp.toFixed(2)));
+  });
+  target.replaceChildren(root);
+}
+
+// ---- Score view -------------------------------------------------------------------------------
+function b64Floats(b64) {
+  const raw = atob(b64), bytes = new Uint8Array(raw.length);
+  for (let i = 0; i < raw.length; i++) bytes[i] = raw.charCodeAt(i);
+  return new Float32Array(bytes.buffer);
+}
+
+async function entropies(item) {
+  const prompt = (state.bosId !== null ? [state.bosId] : []).concat(item.token_ids);
+  const out = await api("/v1/completions", { model: state.model, prompt, max_tokens: 0, prompt_logprobs: -1,
+    vocab_encoding: "float32" });
+  const plp = out.choices[0].prompt_logprobs;
+  const offset = state.bosId !== null ? 1 : 0;
+  return item.token_ids.map((_, i) => {
+    const entry = plp[i + offset];
+    if (!entry) return null;
+    const lps = b64Floats(entry.logprobs);
+    let h = 0;
+    for (const lp of lps) if (lp > -1e4) h -= Math.exp(lp) * lp;
+    return h / LN2;
+  });
+}
+
+function selectScoreToken(i) {
+  const item = state.score;
+  document.querySelectorAll("#score-tokens .tok").forEach((s, j) => s.classList.toggle("selected", i === j));
+  const top = item.top_logprobs ? item.top_logprobs[i] : null;
+  $("score-bars-caption").textContent = `Top alternatives after ${JSON.stringify(item.text.slice(0, item.text_offset[i]).slice(-24))}`;
+  if (top) barChart($("score-bars"), sortedAlternatives(top));
+}
+
+async function runScore() {
+  const text = $("score-text").value, k = Number($("score-k").value) || 5;
+  setStatus("score-status", "Scoring…");
+  try {
+    const out = await api("/v1/score", { model: state.model, input: text, top_logprobs: k });
+    const item = { ...out.data[0], text };
+    state.score = item;
+    const box = $("score-tokens"); box.replaceChildren();
+    item.tokens.forEach((tok, i) => {
+      const end = i + 1 < item.tokens.length ? item.text_offset[i + 1] : text.length;
+      const info = { token: tok, logprob: item.token_logprobs[i], rank: item.token_ranks[i],
+        top: item.top_logprobs ? item.top_logprobs[i] : null };
+      box.appendChild(tokenSpan(text.slice(item.text_offset[i], end), info, null, () => selectScoreToken(i)));
+    });
+    $("score-totals").replaceChildren(
+      el("span", { id: "total-logprob" }, `log-likelihood ${fmt(item.logprob, 3)}`),
+      el("span", { id: "total-ppl" }, `perplexity ${fmt(item.perplexity, 3)}`),
+      el("span", { id: "total-tokens" }, `${item.num_tokens} tokens`));
+    const series = [{ name: "surprisal (bits)", colour: "#b3261e", values: item.token_logprobs.map((lp) => (lp === null ? null : bits(lp))) }];
+    if ($("score-entropy").checked) {
+      setStatus("score-status", "Reading the whole vocabulary for entropy…");
+      series.push({ name: "entropy (bits)", colour: "#2857c5", dash: "5 4", values: await entropies(item) });
+    }
+    lineChart($("score-line"), series, item.tokens);
+    selectScoreToken(item.tokens.length - 1);
+    setStatus("score-status", `Scored ${item.num_tokens} tokens.`);
+  } catch (e) { setStatus("score-status", e.message, true); }
+}
+
+// ---- Generate view ----------------------------------------------------------------------------
+function renderGeneration() {
+  const g = state.gen, box = $("gen-tokens");
+  $("gen-prefix").textContent = g.prompt;
+  box.replaceChildren();
+  g.tokens.forEach((t, i) => {
+    const span = tokenSpan(t.text, t, (tok, lp) => branch(i, tok, lp));
+    if (t.branched) span.style.outline = "2px dashed #2857c5";
+    box.appendChild(span);
+  });
+}
+
+function rankIn(top, token) {
+  const i = sortedAlternatives(top).findIndex(([t]) => t === token);
+  return i >= 0 ? i + 1 : null;
+}
+
+async function generate(prompt, keep) {
+  const g = state.gen;
+  if (g.controller) g.controller.abort();
+  g.controller = new AbortController();
+  g.prompt = $("gen-prompt").value;
+  g.tokens = keep;
+  renderGeneration();
+  const seed = $("gen-seed").value;
+  const body = { model: state.model, prompt, stream: true, max_tokens: Number($("gen-max").value) || 32,
+    temperature: Number($("gen-temp").value), top_p: Number($("gen-top-p").value) || 1,
+    logprobs: Number($("gen-k").value) || 5 };
+  if (seed !== "") body.seed = Number(seed);
+  setStatus("gen-status", "Generating…");
+  try {
+    for await (const chunk of streamEvents("/v1/completions", body, g.controller.signal)) {
+      const ch = chunk.choices[0], lp = ch.logprobs;
+      if (!lp || !lp.tokens.length) continue;
+      lp.tokens.forEach((tok, j) => {
+        const text = lp.tokens.length === 1 ? ch.text : (tok.startsWith("bytes:") ? "" : tok);
+        g.tokens.push({ token: tok, text, logprob: lp.token_logprobs[j], top: lp.top_logprobs[j],
+          rank: rankIn(lp.top_logprobs[j], tok) });
+      });
+      renderGeneration();
+      if (ch.finish_reason) setStatus("gen-status", `Done (${ch.finish_reason}), ${g.tokens.length} tokens.`);
+    }
+  } catch (e) {
+    if (e.name !== "AbortError") setStatus("gen-status", e.message, true); else setStatus("gen-status", "Stopped.");
+  } finally { g.controller = null; }
+}
+
+function branch(i, token, logprob) {
+  const g = state.gen;
+  const kept = g.tokens.slice(0, i);
+  const top = g.tokens[i].top;
+  const chosen = { token, text: token.startsWith("bytes:") ? "" : token, logprob, top, rank: rankIn(top, token), branched: true };
+  const prompt = g.prompt + kept.map((t) => t.text).join("") + chosen.text;
+  generate(prompt, kept.concat([chosen]));
+}
+
+// ---- Compare view -----------------------------------------------------------------------------
+async function runCompare() {
+  const texts = [...document.querySelectorAll(".compare-text")].map((t) => t.value).filter((t) => t.trim());
+  if (texts.length < 2) { setStatus("compare-status", "Write at least two texts.", true); return; }
+  setStatus("compare-status", "Scoring…");
+  try {
+    const out = await api("/v1/score", { model: state.model, input: texts });
+    const best = out.data.reduce((b, d) => (d.mean_logprob > b.mean_logprob ? d : b), out.data[0]);
+    const body = $("compare-table").tBodies[0]; body.replaceChildren();
+    out.data.forEach((d, i) => {
+      const tr = el("tr", d === best ? { class: "best" } : {});
+      tr.append(el("td", {}, texts[i]), el("td", {}, fmt(d.logprob, 3)), el("td", {}, fmt(d.mean_logprob, 3)),
+        el("td", {}, fmt(d.perplexity, 2)), el("td", {}, String(d.num_tokens)));
+      body.appendChild(tr);
+    });
+    setStatus("compare-status", `Most natural: ${JSON.stringify(texts[out.data.indexOf(best)])}`);
+  } catch (e) { setStatus("compare-status", e.message, true); }
+}
+
+// ---- set-up -----------------------------------------------------------------------------------
+function showView(name) {
+  for (const v of ["score", "generate", "compare"]) {
+    $("view-" + v).hidden = v !== name;
+    $("tab-" + v).setAttribute("aria-selected", String(v === name));
+  }
+  hideTooltip();
+}
+
+async function loadModels() {
+  try {
+    const models = await api("/v1/models");
+    const sel = $("model"); sel.replaceChildren();
+    for (const m of models.data) sel.appendChild(el("option", { value: m.id }, m.id));
+    state.model = sel.value;
+    const info = await api("/tokenizer_info");
+    state.bosId = info.bos_token_id;
+    setStatus("score-status", "Ready.");
+  } catch (e) { setStatus("score-status", "Cannot reach the server: " + e.message, true); }
+}
+
+$("api-key").value = sessionStorage.getItem("logprobe-key") || "";
+$("api-key").addEventListener("change", (e) => { sessionStorage.setItem("logprobe-key", e.target.value); loadModels(); });
+$("model").addEventListener("change", (e) => { state.model = e.target.value; });
+["score", "generate", "compare"].forEach((v) => $("tab-" + v).addEventListener("click", () => showView(v)));
+$("score-run").addEventListener("click", runScore);
+$("gen-run").addEventListener("click", () => generate($("gen-prompt").value, []));
+$("gen-stop").addEventListener("click", () => { if (state.gen.controller) state.gen.controller.abort(); });
+$("compare-add").addEventListener("click", () => {
+  const n = document.querySelectorAll(".compare-text").length + 1;
+  $("compare-inputs").appendChild(el("textarea", { class: "compare-text", rows: "2", "aria-label": `Text ${n}` }));
+});
+$("compare-run").addEventListener("click", runCompare);
+loadModels();

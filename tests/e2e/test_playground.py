@@ -1,0 +1,138 @@
+"""The playground at `/`, in headless Chromium (Debian's package, driven by Playwright) against the real
+server: the numbers it shows are the API's. Set LOGPROBE_SCREENSHOTS=1 to refresh docs/screenshots/."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.e2e
+MODEL = "smollm2-135m"
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "screenshots"
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not os.path.exists(CHROMIUM):
+        pytest.skip("Debian's chromium is not installed (the README's test command installs it)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser, server):
+    ctx = browser.new_context(viewport={"width": 1280, "height": 900})
+    pg = ctx.new_page()
+    errors = []
+    pg.on("pageerror", lambda e: errors.append(str(e)))
+    pg.goto(server + "/")
+    pg.wait_for_selector("#model option", state="attached")
+    yield pg
+    ctx.close()
+    assert not errors, errors
+
+
+def shot(pg, name, tmp_path):
+    path = DOCS / name if os.environ.get("LOGPROBE_SCREENSHOTS") else tmp_path / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pg.screenshot(path=str(path), full_page=True)
+    assert path.stat().st_size > 10_000
+
+
+def test_score_view_shows_the_api_numbers(page, server, tmp_path):
+    text = "The cat sat on the mat."
+    page.fill("#score-text", text)
+    page.fill("#score-k", "5")
+    page.check("#score-entropy")
+    page.click("#score-run")
+    page.wait_for_function("document.querySelector('#score-status').textContent.startsWith('Scored')")
+    api = httpx.post(server + "/v1/score", json={"model": MODEL, "input": text, "top_logprobs": 5}).json()["data"][0]
+    spans = page.locator("#score-tokens .tok")
+    assert spans.count() == api["num_tokens"] == 7
+    for i in (0, 3, 5):
+        spans.nth(i).hover()
+        tip = page.inner_text("#tooltip")
+        lp = api["token_logprobs"][i]
+        assert f"log p = {lp:.4f}" in tip and f"p = {math.exp(lp):.4f}" in tip
+        assert f"rank {api['token_ranks'][i]}" in tip
+        for alt, value in api["top_logprobs"][i].items():
+            assert f"{value:.3f}" in tip
+    assert f"log-likelihood {api['logprob']:.3f}" in page.inner_text("#score-totals")
+    assert f"perplexity {api['perplexity']:.3f}" in page.inner_text("#score-totals")
+    assert page.locator("#score-line svg polyline").count() == 2  # surprisal and entropy
+    assert page.locator("#score-bars svg rect").count() == 2 * 5  # probability and log probability bars
+    spans.nth(3).hover()
+    shot(page, "score.png", tmp_path)
+
+
+def test_keyboard_focus_opens_the_tooltip(page):
+    page.click("#score-run")
+    page.wait_for_function("document.querySelector('#score-status').textContent.startsWith('Scored')")
+    page.locator("#score-tokens .tok").first.focus()
+    assert page.is_visible("#tooltip")
+    page.keyboard.press("Escape")
+    assert not page.is_visible("#tooltip")
+
+
+def test_generate_streams_and_branches(page, server, tmp_path):
+    page.click("#tab-generate")
+    page.fill("#gen-prompt", "Once upon a time")
+    page.fill("#gen-max", "12")
+    page.fill("#gen-temp", "0.8")
+    page.fill("#gen-seed", "5")
+    page.click("#gen-run")
+    page.wait_for_function("document.querySelector('#gen-status').textContent.startsWith('Done')", timeout=60_000)
+    plain = httpx.post(server + "/v1/completions", json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 12,
+                                                          "temperature": 0.8, "seed": 5, "logprobs": 5}).json()
+    tokens = page.locator("#gen-tokens .tok")
+    assert tokens.count() == len(plain["choices"][0]["logprobs"]["tokens"])
+    assert page.inner_text("#gen-tokens").replace("⏎\n", "\n") == plain["choices"][0]["text"]
+    tokens.nth(1).hover()
+    lp = plain["choices"][0]["logprobs"]["token_logprobs"][1]
+    assert f"log p = {lp:.4f}" in page.inner_text("#tooltip")
+    shot(page, "generate.png", tmp_path)
+    alt = page.locator("#tooltip button.alt").first
+    chosen = alt.inner_text()
+    alt.click()
+    page.wait_for_function("document.querySelector('#gen-status').textContent.startsWith('Done')", timeout=60_000)
+    assert page.locator("#gen-tokens .tok").nth(1).inner_text() == eval(chosen)  # the branch took the alternative
+    assert page.locator("#gen-tokens .tok").count() == 2 + 12
+
+
+def test_compare_view(page, server, tmp_path):
+    page.click("#tab-compare")
+    page.click("#compare-run")
+    page.wait_for_selector("#compare-table tbody tr")
+    texts = ["The cat sat on the mat.", "The mat sat on the cat."]
+    api = httpx.post(server + "/v1/score", json={"model": MODEL, "input": texts}).json()["data"]
+    rows = page.locator("#compare-table tbody tr")
+    assert rows.count() == 2
+    for i, d in enumerate(api):
+        assert f"{d['mean_logprob']:.3f}" in rows.nth(i).inner_text()
+    best = max(range(2), key=lambda i: api[i]["mean_logprob"])
+    assert "best" in rows.nth(best).get_attribute("class")
+    shot(page, "compare.png", tmp_path)
+
+
+def test_phone_sized_screen(browser, server, tmp_path):
+    ctx = browser.new_context(viewport={"width": 390, "height": 844})
+    pg = ctx.new_page()
+    pg.goto(server + "/")
+    pg.wait_for_selector("#model option", state="attached")
+    pg.click("#score-run")
+    pg.wait_for_function("document.querySelector('#score-status').textContent.startsWith('Scored')")
+    assert pg.evaluate("document.documentElement.scrollWidth") <= 390 + 1  # nothing runs off the side
+    shot(pg, "phone.png", tmp_path)
+    ctx.close()
