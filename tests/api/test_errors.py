@@ -161,7 +161,7 @@ def test_internal_error_has_no_internals(client, tiny_engine, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("secret internal detail /path/to/file.py")
 
-    monkeypatch.setattr(tiny_engine.runner, "prefill", boom)
+    monkeypatch.setattr(tiny_engine.runner, "prefill_chunk", boom)
     err = refuse(client, {**BASE, "max_tokens": 1}, status=500)
     assert err["type"] == "server_error" and err["code"] == "internal_error"
     assert "secret" not in err["message"]

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .request import FinishReason, Sequence, SequenceGroup
+from . import fast_runner
 from .runner import ModelRunner
 from .sampler import sample_row
 from .scheduler import Scheduler
@@ -73,12 +74,15 @@ def describe_model(model, tokenizer, name: str, aliases: list[str]) -> ModelInfo
 
 
 class Engine:
-    def __init__(self, model, tokenizer, name: str, aliases: list[str] = ()):
+    def __init__(self, model, tokenizer, name: str, aliases: list[str] = (), fast: bool | None = None):
+        """`fast`: run Llama-family models on logprobe's own batched decode path (default: wherever the
+        architecture is supported); False keeps transformers' forward with a cache per request."""
         self.model = model
         self.tokenizer = tokenizer
         self.info = describe_model(model, tokenizer, name, list(aliases))
         self.table = TokenTable.build(tokenizer, self.info.vocab_size)
-        self.runner = ModelRunner(model)
+        use_fast = fast_runner.supports(model) if fast is None else fast
+        self.runner = fast_runner.FastRunner(model) if use_fast else ModelRunner(model)
         self.scheduler = Scheduler()
         self._inbox: queue.SimpleQueue[SequenceGroup | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -141,17 +145,20 @@ class Engine:
     def _loop(self) -> None:
         while not self._stopping:
             self._drain_inbox(block=not self.scheduler.has_work)
-            work = self.scheduler.schedule()
-            if work is None:
+            plan = self.scheduler.schedule()
+            for group in self.scheduler.dropped:
+                self.runner.release(group)
+            self.scheduler.dropped.clear()
+            if plan is None:
                 continue
-            kind, payload = work
             try:
-                self.step(kind, payload)
+                self.step(plan)
             except Exception as exc:  # a bug: fail these requests, keep serving the others
-                for group in payload if isinstance(payload, list) else [payload]:
-                    log.exception("engine step failed for %s", group.request_id)
+                log.exception("engine step failed for %s", ", ".join(g.request_id for g in plan.groups))
+                for group in plan.groups:
                     group.error = exc
-                    group.cache = None
+                    self.runner.release(group)
+                    self.scheduler.finished(group)
                     self._finish(group)
 
     def _drain_inbox(self, block: bool) -> None:
@@ -164,42 +171,54 @@ class Engine:
         except queue.Empty:
             return
 
-    def step(self, kind: str, work) -> None:
+    def step(self, plan) -> None:
+        """One engine step: a batch of prompt-only groups, or one prefill chunk next to one decode
+        step for every running group."""
         self.num_steps += 1
-        if kind == "score":
-            self.runner.prefill_batch(work)
-            for group in work:
+        if plan.score:
+            self.runner.prefill_batch(plan.score)
+            for group in plan.score:
                 for seq in group.sequences:
                     seq.finish_reason = FinishReason.LENGTH
                 self._after_step(group)
             return
-        group = work
-        if kind == "prefill":
-            lsm = self.runner.prefill(group)
-            if group.params.max_tokens == 0:
-                for seq in group.sequences:
-                    seq.finish_reason = FinishReason.LENGTH
-            else:
-                group.active_rows = [s.index for s in group.sequences]
-                self.runner.expand(group, len(group.active_rows))
-                lsm = lsm.expand(len(group.active_rows), -1)
+        # Decode first: the batch is then exactly the running groups' rows (a group whose prompt
+        # finishes in this step joins the batch in the next one).
+        if plan.decode:
+            for group, lsm in zip(plan.decode, self.runner.decode_groups(plan.decode)):
                 self._postprocess(group, lsm)
+                self._after_step(group)
+        if plan.prefill is not None:
+            self._prefill(plan.prefill, budget=self.runner_chunk if plan.decode else 1 << 30)
+
+    @property
+    def runner_chunk(self) -> int:
+        return getattr(self.runner, "PREFILL_CHUNK", 1 << 30)
+
+    def _prefill(self, group: SequenceGroup, budget: int) -> None:
+        lsm = self.runner.prefill_chunk(group, budget)
+        if lsm is None:
+            return  # more chunks to go
+        if group.params.max_tokens == 0:
+            for seq in group.sequences:
+                seq.finish_reason = FinishReason.LENGTH
         else:
-            last = [group.sequences[i].token_ids[-1] for i in group.active_rows]
-            self._postprocess(group, self.runner.decode(group, last))
+            group.active_rows = [s.index for s in group.sequences]
+            self.runner.expand(group, len(group.active_rows))
+            self._postprocess(group, lsm.expand(len(group.active_rows), -1))
+        self.scheduler.prefilled(group)
         self._after_step(group)
 
     def _after_step(self, group: SequenceGroup) -> None:
         if group.is_finished:
-            group.cache = None
+            self.runner.release(group)
+            self.scheduler.finished(group)
             if group.params.residual_layers:
                 self._capture_residual(group)
         if group.on_step is not None:
             group.on_step(group)
         if group.is_finished:
             self._finish(group)
-        else:
-            self.scheduler.requeue(group)
 
     def _capture_residual(self, group: SequenceGroup) -> None:
         """Activations of every kept token of each choice, prompt then generated, from one forward pass

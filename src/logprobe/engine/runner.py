@@ -84,32 +84,39 @@ class ModelRunner:
 
     def _prompt_columns(self, hidden: torch.Tensor, ids: torch.Tensor, k: int,
                         keep_full: bool = False) -> PromptColumns:
-        num = ids.shape[0]
+        cols = self.new_prompt_columns(ids.shape[0], k, keep_full)
+        self.fill_prompt_columns(cols, hidden, ids, 0)
+        return cols
+
+    def new_prompt_columns(self, num: int, k: int, keep_full: bool) -> PromptColumns:
         full = full_ranks = None
         if keep_full:  # bounded by the whole-vocabulary cap (256 positions by default)
             vocab = self.lm_head.weight.shape[0]
             full = np.full((num, vocab), np.nan, dtype=np.float32)
             full_ranks = np.zeros((num, vocab), dtype=np.int32)
-        lps = np.full(num, np.nan, dtype=np.float32)
-        ranks = np.zeros(num, dtype=np.int64)
-        top_ids = np.zeros((num, k), dtype=np.int64)
-        top_lps = np.zeros((num, k), dtype=np.float32)
-        # The distribution at position i - 1 predicts the token at position i.
-        for start in range(0, num - 1, POSITION_CHUNK):
-            stop = min(start + POSITION_CHUNK, num - 1)
-            lsm = self.logprobs_of(hidden[start:stop])  # [C, V]
+        return PromptColumns(np.full(num, np.nan, dtype=np.float32), np.zeros(num, dtype=np.int64),
+                             np.zeros((num, k), dtype=np.int64), np.zeros((num, k), dtype=np.float32),
+                             full, full_ranks)
+
+    def fill_prompt_columns(self, cols: PromptColumns, hidden: torch.Tensor, ids: torch.Tensor, first: int) -> None:
+        """Fill the rows predicted by `hidden` ([C, D], the states at positions first..first+C-1): the
+        distribution at position i predicts the prompt token at i + 1."""
+        num, k = ids.shape[0], cols.top_ids.shape[1]
+        last = min(first + hidden.shape[0], num - 1)  # the state at the final position predicts no prompt token
+        for start in range(first, last, POSITION_CHUNK):
+            stop = min(start + POSITION_CHUNK, last)
+            lsm = self.logprobs_of(hidden[start - first:stop - first])  # [C, V]
             target = ids[start + 1:stop + 1]
             target_lp = lsm.gather(1, target[:, None])  # [C, 1]
-            lps[start + 1:stop + 1] = target_lp[:, 0].cpu().numpy()
-            if full is not None:
-                full[start + 1:stop + 1] = lsm.cpu().numpy()
-                full_ranks[start + 1:stop + 1] = vocab_ranks(lsm).cpu().numpy()
-            ranks[start + 1:stop + 1] = ((lsm > target_lp).sum(dim=1) + 1).cpu().numpy()
+            cols.logprobs[start + 1:stop + 1] = target_lp[:, 0].cpu().numpy()
+            if cols.full is not None:
+                cols.full[start + 1:stop + 1] = lsm.cpu().numpy()
+                cols.full_ranks[start + 1:stop + 1] = vocab_ranks(lsm).cpu().numpy()
+            cols.ranks[start + 1:stop + 1] = ((lsm > target_lp).sum(dim=1) + 1).cpu().numpy()
             if k:
                 vals, idx = torch.topk(lsm, k, dim=1)
-                top_ids[start + 1:stop + 1] = idx.cpu().numpy()
-                top_lps[start + 1:stop + 1] = vals.cpu().numpy()
-        return PromptColumns(lps, ranks, top_ids, top_lps, full, full_ranks)
+                cols.top_ids[start + 1:stop + 1] = idx.cpu().numpy()
+                cols.top_logprobs[start + 1:stop + 1] = vals.cpu().numpy()
 
     @torch.inference_mode()
     def decode(self, group: SequenceGroup, last_tokens: list[int]) -> torch.Tensor:
@@ -153,6 +160,18 @@ class ModelRunner:
                 h.remove()
         return {layer: store[layer].numpy() for layer in store}
 
+    # ---- the interface the engine's step loop uses (the fast runner implements the same) -------
+    supports_batched_decode = False
+
+    def prefill_chunk(self, group: SequenceGroup, budget: int) -> torch.Tensor | None:
+        """Advance the group's prefill; the log probabilities of its first token ([1, V]) when the
+        prompt is done, else None. This runner does the whole prompt at once."""
+        return self.prefill(group)
+
+    def decode_groups(self, groups: list[SequenceGroup]) -> list[torch.Tensor]:
+        """One decode step for every active row of these groups: [rows, V] per group."""
+        return [self.decode(g, [g.sequences[i].token_ids[-1] for i in g.active_rows]) for g in groups]
+
     @staticmethod
     def expand(group: SequenceGroup, rows: int) -> None:
         if rows > 1:
@@ -161,3 +180,6 @@ class ModelRunner:
     @staticmethod
     def select(group: SequenceGroup, keep: list[int]) -> None:
         group.cache.batch_select_indices(torch.tensor(keep, dtype=torch.long))
+
+    def release(self, group: SequenceGroup) -> None:
+        group.cache = None

@@ -1,53 +1,77 @@
-"""Which group runs next. Waiting groups are prefilled first; running groups then take decode steps
-in turn, so a long generation does not hold back the others. The engine batches nothing across groups
-yet; the scheduler is the one place where that decision will be made."""
+"""What runs in the next engine step.
+
+Each step the scheduler hands the engine a `Plan`: either one batch of prompt-only groups (scoring,
+echo with max_tokens 0: they share one padded forward pass), or a decode step for every running group
+(one batched pass over all their rows) plus, next to it, one chunk of the group being prefilled. A new
+request therefore joins the running batch within a step or two, finished ones leave at once, and a long
+prompt is prefilled a chunk per step without holding back the others' decoding.
+"""
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass, field
 
 from .request import SequenceGroup
 
 
+@dataclass
+class Plan:
+    score: list[SequenceGroup] = field(default_factory=list)
+    prefill: SequenceGroup | None = None
+    decode: list[SequenceGroup] = field(default_factory=list)
+
+    @property
+    def groups(self) -> list[SequenceGroup]:
+        return self.score + ([self.prefill] if self.prefill else []) + self.decode
+
+
 class Scheduler:
     def __init__(self, max_running: int = 64, score_batch_tokens: int = 4096, max_score_batch: int = 64):
-        self.max_running = max_running
+        self.max_running = max_running  # groups decoding at once
         self.score_batch_tokens = score_batch_tokens  # padded tokens in one batched prompt-only pass
         self.max_score_batch = max_score_batch
         self.waiting: deque[SequenceGroup] = deque()
-        self.running: deque[SequenceGroup] = deque()
+        self.prefilling: SequenceGroup | None = None
+        self.running: list[SequenceGroup] = []
+        self.dropped: list[SequenceGroup] = []  # aborted groups whose resources the engine must free
 
     def add(self, group: SequenceGroup) -> None:
         self.waiting.append(group)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.prefilling)
 
     @property
     def num_in_flight(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + (self.prefilling is not None)
 
-    def schedule(self) -> tuple[str, SequenceGroup | list[SequenceGroup]] | None:
-        """The next unit of work: ("score", [groups]), ("prefill", group) or ("decode", group), or None
-        when idle.
-        Aborted groups are dropped here, before they cost a forward pass."""
-        for queue in (self.waiting, self.running):
-            for group in [g for g in queue if g.is_aborted]:
-                queue.remove(group)
-                group.cache = None
-        if self.waiting and self.waiting[0].params.max_tokens == 0:
-            return "score", self._take_prompt_only()
-        if self.waiting and len(self.running) < self.max_running:
-            return "prefill", self.waiting.popleft()
-        if self.running:
-            group = self.running.popleft()
-            return "decode", group
-        return None
+    def _drop_aborted(self) -> None:
+        for group in [g for g in self.waiting if g.is_aborted]:
+            self.waiting.remove(group)
+            self.dropped.append(group)
+        for group in [g for g in self.running if g.is_aborted]:
+            self.running.remove(group)
+            self.dropped.append(group)
+        if self.prefilling is not None and self.prefilling.is_aborted:
+            self.dropped.append(self.prefilling)
+            self.prefilling = None
+
+    def schedule(self) -> Plan | None:
+        """The next step's work, or None when idle. Aborted groups are dropped first, before they
+        cost a forward pass."""
+        self._drop_aborted()
+        if self.prefilling is None and self.waiting and self.waiting[0].params.max_tokens == 0:
+            return Plan(score=self._take_prompt_only())
+        if self.prefilling is None and self.waiting and len(self.running) < self.max_running:
+            self.prefilling = self.waiting.popleft()
+        if self.prefilling is None and not self.running:
+            return None
+        return Plan(prefill=self.prefilling, decode=list(self.running))
 
     def _take_prompt_only(self) -> list[SequenceGroup]:
-        """Consecutive waiting groups that only read their prompt (max_tokens 0: scoring, echo), as many
-        as fit one padded batch of `score_batch_tokens`: they share one forward pass."""
+        """Consecutive waiting groups that only read their prompt, as many as fit one padded batch."""
         batch = [self.waiting.popleft()]
         longest = batch[0].num_prompt_tokens
         while self.waiting and self.waiting[0].params.max_tokens == 0 and len(batch) < self.max_score_batch:
@@ -58,6 +82,14 @@ class Scheduler:
             batch.append(self.waiting.popleft())
         return batch
 
-    def requeue(self, group: SequenceGroup) -> None:
-        """A group that still has tokens to generate goes to the back of the running queue."""
-        self.running.append(group)
+    def prefilled(self, group: SequenceGroup) -> None:
+        """The group's prompt is done; it decodes from the next step on (unless it already finished)."""
+        self.prefilling = None
+        if not group.is_finished:
+            self.running.append(group)
+
+    def finished(self, group: SequenceGroup) -> None:
+        if group in self.running:
+            self.running.remove(group)
+        if self.prefilling is group:
+            self.prefilling = None

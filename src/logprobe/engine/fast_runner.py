@@ -1,0 +1,168 @@
+"""The lean path for Llama-family decoders (Llama, Mistral without sliding windows, Qwen2, SmolLM):
+logprobe runs the blocks itself, with the model's own weights and modules, over a slot KV cache.
+
+* Decode: every running sequence of every request in one forward pass: one new token per row, keys
+  and values written into the row's slot, attention over `[:rows, :, :longest]` with a length mask.
+* Prefill: in chunks (a long prompt takes several engine steps, so it does not stall the decoding of
+  others), into a per-group buffer that moves into slots when the prompt is done.
+
+Numbers are the same computation as transformers' (same modules, same RoPE, same masks up to padding),
+checked against a float64 forward in the tests.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from .kv_cache import Row, SlotCache
+from .request import SequenceGroup
+from .runner import ModelRunner
+
+SUPPORTED = {"llama", "mistral", "qwen2"}
+
+
+def supports(model) -> bool:
+    cfg = model.config
+    if cfg.model_type not in SUPPORTED or getattr(cfg, "sliding_window", None) and cfg.model_type != "llama":
+        return False
+    decoder = getattr(model, model.base_model_prefix, None)
+    layer = decoder.layers[0] if decoder is not None and len(decoder.layers) else None
+    return layer is not None and all(hasattr(layer.self_attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
+
+
+class PrefillState:
+    """A group's prompt while it is being prefilled: keys/values so far and its prompt columns."""
+
+    def __init__(self, runner: "FastRunner", group: SequenceGroup):
+        n = group.num_prompt_tokens
+        shape = (runner.kv_heads, n, runner.head_dim)
+        self.keys = [torch.empty(shape, dtype=runner.dtype, device=runner.device) for _ in runner.layers]
+        self.values = [torch.empty(shape, dtype=runner.dtype, device=runner.device) for _ in runner.layers]
+        self.done = 0
+        self.ids = torch.tensor(group.prompt_ids, dtype=torch.long, device=runner.device)
+
+
+class FastRunner(ModelRunner):
+    supports_batched_decode = True
+    PREFILL_CHUNK = 512  # prompt tokens per engine step while other requests are decoding
+
+    def __init__(self, model):
+        super().__init__(model)
+        cfg = self.config
+        self.layers = self.decoder.layers
+        self.num_heads = cfg.num_attention_heads
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.scale = self.head_dim ** -0.5
+        self.dtype = next(model.parameters()).dtype
+        self.cache = SlotCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device,
+                               max_len=int(getattr(cfg, "max_position_embeddings", 4096)))
+
+    # ---- one pass of the blocks ------------------------------------------------------------
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
+        """Embed ids [B, T] at positions [B, T], run every block with `attend(layer, q, k, v)` doing the
+        cache write and attention, and return the final-norm hidden states [B, T, D]."""
+        x = self.decoder.embed_tokens(ids)
+        cos, sin = self.decoder.rotary_emb(x, positions)
+        b, t = ids.shape
+        for index, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+            k = attn.k_proj(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+            v = attn.v_proj(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            out = attend(index, q, k, v)  # [B, H, T, d]
+            x = x + attn.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.decoder.norm(x)
+
+    # ---- prefill -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill_chunk(self, group: SequenceGroup, budget: int) -> torch.Tensor | None:
+        state = group.cache
+        if state is None:
+            state = group.cache = PrefillState(self, group)
+            if group.params.needs_prompt_logits:
+                group.prompt_columns = self.new_prompt_columns(
+                    group.num_prompt_tokens, group.params.num_prompt_top, group.params.prompt_logprobs == -1)
+        start, total = state.done, group.num_prompt_tokens
+        stop = min(total, start + max(1, budget))
+        ids = state.ids[start:stop][None]
+        positions = torch.arange(start, stop, device=self.device)[None]
+        causal = torch.ones(stop - start, stop, dtype=torch.bool, device=self.device).tril(start)
+
+        def attend(layer, q, k, v):
+            state.keys[layer][:, start:stop] = k[0]
+            state.values[layer][:, start:stop] = v[0]
+            keys, values = state.keys[layer][None, :, :stop], state.values[layer][None, :, :stop]
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=causal, scale=self.scale,
+                                                  enable_gqa=self.kv_heads != self.num_heads)
+
+        hidden = self._run(ids, positions, attend)[0]  # [C, D]
+        if group.prompt_columns is not None:
+            self.fill_prompt_columns(group.prompt_columns, hidden, state.ids, start)
+        state.done = stop
+        if stop < total:
+            return None
+        return self.logprobs_of(hidden[-1:])
+
+    def expand(self, group: SequenceGroup, rows: int) -> None:
+        """The prompt is done: give each choice a slot holding the prompt's keys and values."""
+        state = group.cache
+        group.rows = []
+        for seq_index in group.active_rows:
+            row = Row(group, seq_index)
+            self.cache.add(row, state.keys, state.values)
+            group.rows.append(row)
+        group.cache = None
+
+    # ---- decode ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def decode_groups(self, groups: list[SequenceGroup]) -> list[torch.Tensor]:
+        rows = self.cache.rows  # slot order: row i of the batch is slot i
+        count = len(rows)
+        if count != sum(len(g.rows) for g in groups):
+            raise RuntimeError("slot cache out of step with the running groups")
+        longest = max(r.length for r in rows) + 1
+        self.cache.reserve(0, longest)
+        ids = torch.tensor([[r.group.sequences[r.seq_index].token_ids[-1]] for r in rows], device=self.device)
+        lengths = torch.tensor([r.length for r in rows], device=self.device)
+        slots = torch.arange(count, device=self.device)
+        mask = (torch.arange(longest, device=self.device)[None, :] <= lengths[:, None])[:, None, None, :]
+
+        def attend(layer, q, k, v):
+            self.cache.keys[layer][slots, :, lengths] = k[:, :, 0]
+            self.cache.values[layer][slots, :, lengths] = v[:, :, 0]
+            keys = self.cache.keys[layer][:count, :, :longest]
+            values = self.cache.values[layer][:count, :, :longest]
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale,
+                                                  enable_gqa=self.kv_heads != self.num_heads)
+
+        hidden = self._run(ids, lengths[:, None], attend)[:, -1]  # [rows, D]
+        lsm = self.logprobs_of(hidden)
+        for r in rows:
+            r.length += 1
+        out = []
+        for group in groups:  # each group's rows, in the order of its active_rows
+            order = [row.slot for row in group.rows]
+            out.append(lsm[order])
+        return out
+
+    def select(self, group: SequenceGroup, keep: list[int]) -> None:
+        kept = []
+        for position, row in enumerate(group.rows):
+            if position in keep:
+                kept.append(row)
+            else:
+                self.cache.remove(row)
+        group.rows = kept
+
+    def release(self, group: SequenceGroup) -> None:
+        for row in getattr(group, "rows", None) or []:
+            if row.slot >= 0:
+                self.cache.remove(row)
+        group.rows = []
+        group.cache = None
