@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import threading
 from dataclasses import fields
 
 from .config import Limits, Settings, env_default
@@ -74,15 +76,21 @@ def serve(settings: Settings) -> int:
             return 2
     aliases = source.aliases + [a for a in settings.aliases if a not in source.aliases]
     engine = Engine(model, tokenizer, source.name, aliases)
-    engine.start()
     log.info("serving %s (aliases: %s) on http://%s:%d", engine.info.name, ", ".join(aliases) or "none",
              settings.host, settings.port)
     app = create_app(engine, settings.limits)
-    try:
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
-    finally:
-        engine.stop()
-    return 0
+    # The HTTP server runs in a thread and the engine's step loop in the main thread, where torch's
+    # CPU kernels run fastest (see Engine.run_forever). Signals arrive in the main thread.
+    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port,
+                                           log_level=settings.log_level))
+    http = threading.Thread(target=server.run, name="logprobe-http", daemon=True)
+    http.start()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: engine.request_stop())
+    engine.run_forever(alive=http.is_alive)
+    server.should_exit = True
+    http.join(timeout=15)
+    return 0 if server.started else 1
 
 
 def main(argv: list[str] | None = None) -> int:

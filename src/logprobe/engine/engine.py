@@ -87,6 +87,8 @@ class Engine:
         self._inbox: queue.SimpleQueue[SequenceGroup | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._alive = lambda: True
+        self._looping = False
         self.num_steps = 0
         self._prompt_encoders = {}
 
@@ -105,6 +107,18 @@ class Engine:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="logprobe-engine", daemon=True)
             self._thread.start()
+
+    def run_forever(self, alive=lambda: True) -> None:
+        """Run the step loop in the calling thread until `stop()` or until `alive()` is false. The
+        server runs it in the main thread: torch's CPU kernels run ~25-30% slower from a secondary
+        thread on these machines (measured: one-token request 78 -> 51 ms, one stream 12.5 -> 18 tok/s)."""
+        self._alive = alive
+        self._loop()
+
+    def request_stop(self) -> None:
+        """Ask the loop to end (safe from a signal handler)."""
+        self._stopping = True
+        self._inbox.put(None)
 
     def stop(self) -> None:
         self._stopping = True
@@ -143,7 +157,16 @@ class Engine:
 
     # ---- the step loop (engine thread only) ------------------------------------------------
     def _loop(self) -> None:
-        while not self._stopping:
+        if self._looping:
+            raise RuntimeError("the engine's step loop is already running")
+        self._looping = True
+        try:
+            self._run_steps()
+        finally:
+            self._looping = False
+
+    def _run_steps(self) -> None:
+        while not self._stopping and self._alive():
             self._drain_inbox(block=not self.scheduler.has_work)
             plan = self.scheduler.schedule()
             for group in self.scheduler.dropped:

@@ -93,11 +93,22 @@ def _torch_dtype(dtype: str, device: str):
     if dtype == "bfloat16":
         return torch.bfloat16
     if dtype == "auto":
-        # float32 on CPU keeps log probabilities exact; on a GPU that supports it, bfloat16.
-        if device.startswith("cuda") and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
-            return torch.bfloat16
-        return torch.float32
+        # bfloat16 where the hardware multiplies it natively (a GPU that supports it; a CPU with
+        # AVX512-BF16 or AMX), float32 elsewhere. float32 stays the default for exact work.
+        if device.startswith("cuda"):
+            return torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float32
+        return torch.bfloat16 if cpu_has_bf16() else torch.float32
     raise ModelLoadError(f"unknown dtype {dtype!r}: use float32, bfloat16 or auto")
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU has native bfloat16 arithmetic (AVX512-BF16 or AMX-BF16)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def _dequantize_gguf_to_cache(gguf_path: str, target: Path) -> None:

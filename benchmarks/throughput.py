@@ -1,0 +1,297 @@
+"""Benchmarks 1, 2, 4 and 5 of PERFORMANCE.md, logprobe against its peers in one run.
+
+1. Scoring: 64 texts of ~128 tokens, prompt log probabilities with the 5 likeliest (echo + logprobs 5),
+   4 concurrent clients; prompt tokens per second. Peers: llama-cpp-python's server on the same GGUF
+   (echo + logprobs 5, max_tokens 1), a hand-written transformers float32 loop (forward, log_softmax,
+   top-5, one text at a time), and the model's float32 FLOP limit from PERFORMANCE.md.
+2. Generation: 1 and 16 concurrent streams, 64 new tokens each, logprobs 5, greedy; aggregate tokens
+   per second and median time to first token. Peers: llama-cpp-python's server (1 stream without
+   logprobs; 16 streams with logprobs 5), transformers `generate` for one stream.
+4. Per-request overhead: a 1-token request end to end, minus the bare forward pass of the same prompt.
+5. Start-up: `logprobe serve` to its first answered request, with an empty cache and with a warm one.
+
+    python benchmarks/throughput.py [--dtype auto] [--skip-llama]
+
+llama-cpp-python is installed by this script if it is missing (`pip install 'llama-cpp-python[server]==0.3.36'`
+with CMAKE_ARGS for AVX-512 without AMX, which builds llama.cpp from source: ~5 minutes here; a native
+build crashed on the first token on these machines). Conditions are printed next to every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import httpx
+
+LLAMA_CMAKE_ARGS = "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON"
+COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"  # greedy decoding counts on: every stream makes 64 tokens
+SENTENCES = ["The history of the city goes back to a small settlement on the river.",
+             "Scientists measured the temperature of the lake every morning for a year.",
+             "She opened the old book and found a letter hidden between the pages.",
+             "The committee agreed that the new bridge would be finished by the spring.",
+             "Most of the birds leave the island before the first storms of autumn."]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(base: str, proc: subprocess.Popen, path: str = "/v1/models", limit: float = 600) -> None:
+    deadline = time.time() + limit
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(base + path, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    raise RuntimeError("server did not start")
+
+
+def start_logprobe(dtype: str, env=None) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "logprobe.cli", "serve", "--port", str(port), "--dtype", dtype,
+                             "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=env or os.environ.copy())
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def start_llama(gguf: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1",
+                             "--port", str(port),
+                             "--n_ctx", "4096", "--logits_all", "true", "--n_threads", str(os.cpu_count())],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def texts_of_128_tokens(base: str, model: str) -> list[str]:
+    out = []
+    for i in range(64):
+        words = " ".join(SENTENCES[(i + j) % len(SENTENCES)] for j in range(6))
+        ids = httpx.post(base + "/tokenize", json={"prompt": words}).json()["tokens"][:128]
+        out.append(httpx.post(base + "/detokenize", json={"tokens": ids}).json()["prompt"])
+    return out
+
+
+def parallel(jobs, workers: int):
+    """Run callables on `workers` threads; return (results, wall seconds)."""
+    results, lock, queue = [], threading.Lock(), list(jobs)
+
+    def worker():
+        while True:
+            with lock:
+                if not queue:
+                    return
+                job = queue.pop()
+            r = job()
+            with lock:
+                results.append(r)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results, time.perf_counter() - t0
+
+
+def scoring(base: str, model: str, texts: list[str], max_tokens: int) -> float:
+    def one(text):
+        def job():
+            r = httpx.post(base + "/v1/completions", timeout=600, json={
+                "model": model, "prompt": text, "max_tokens": max_tokens, "echo": True, "logprobs": 5,
+                "temperature": 0})
+            r.raise_for_status()
+            return r.json()["usage"]["prompt_tokens"]
+        return job
+
+    one(texts[0])()  # warm-up
+    tokens, wall = parallel([one(t) for t in texts], workers=4)
+    return sum(tokens) / wall
+
+
+def generation(base: str, model: str, streams: int, logprobs: int | None) -> tuple[float, float]:
+    """(aggregate tokens/s, median seconds to first token) for `streams` concurrent streamed requests."""
+    def one(i):
+        def job():
+            body = {"model": model, "prompt": COUNTING, "max_tokens": 64, "temperature": 0, "stream": True}
+            if logprobs is not None:
+                body["logprobs"] = logprobs
+            t0, first, count = time.perf_counter(), None, 0
+            with httpx.stream("POST", base + "/v1/completions", json=body, timeout=600) as r:
+                for line in r.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    import json
+
+                    chunk = json.loads(line[6:])
+                    if not chunk.get("choices"):
+                        continue
+                    ch = chunk["choices"][0]
+                    n = len(ch["logprobs"]["tokens"]) if ch.get("logprobs") else (1 if ch.get("text") else 0)
+                    if n and first is None:
+                        first = time.perf_counter() - t0
+                    count += n
+            return count, first
+        return job
+
+    one(0)()  # warm-up
+    results, wall = parallel([one(i) for i in range(streams)], workers=streams)
+    return sum(c for c, _ in results) / wall, statistics.median(f for _, f in results if f is not None)
+
+
+def transformers_loop(texts: list[str], smol_dir: str) -> tuple[float, float]:
+    """(scoring tokens/s, generate tokens/s): what a researcher writes by hand, float32."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smol_dir)
+    model = AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch.float32).eval()
+    total, t0 = 0, time.perf_counter()
+    with torch.inference_mode():
+        for text in texts:
+            ids = tok(text, return_tensors="pt").input_ids
+            lsm = torch.log_softmax(model(ids).logits[0].float(), -1)
+            lsm[:-1].gather(1, ids[0, 1:, None])
+            torch.topk(lsm, 5, dim=-1)
+            total += ids.shape[1]
+        scoring_rate = total / (time.perf_counter() - t0)
+        ids = tok(COUNTING, return_tensors="pt").input_ids
+        model.generate(ids, max_new_tokens=4, do_sample=False)
+        t0 = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=64, min_new_tokens=64, do_sample=False)
+        gen_rate = (out.shape[1] - ids.shape[1]) / (time.perf_counter() - t0)
+    return scoring_rate, gen_rate
+
+
+def overhead(base: str, model: str, smol_dir: str, dtype: str) -> tuple[float, float]:
+    """(median end-to-end ms of a 1-token request, ms of the bare forward pass of its prompt)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    times = []
+    for _ in range(21):
+        t0 = time.perf_counter()
+        httpx.post(base + "/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 1, "temperature": 0})
+        times.append(time.perf_counter() - t0)
+    torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    m = AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch_dtype).eval()
+    ids = httpx.post(base + "/tokenize", json={"prompt": "Hi"}).json()["tokens"]
+    bare = []
+    with torch.inference_mode():
+        for _ in range(21):
+            t0 = time.perf_counter()
+            torch.log_softmax(m(torch.tensor([ids]), logits_to_keep=1).logits[0, -1].float(), -1)
+            bare.append(time.perf_counter() - t0)
+    return statistics.median(times[1:]) * 1e3, statistics.median(bare[1:]) * 1e3
+
+
+def startup(dtype: str) -> tuple[float, float]:
+    def once(env):
+        t0 = time.perf_counter()
+        proc, base = start_logprobe(dtype, env)
+        try:
+            wait_ready(base, proc, "/health")
+            httpx.post(base + "/v1/completions", json={"model": "smollm2-135m", "prompt": "Hi", "max_tokens": 1})
+            return time.perf_counter() - t0
+        finally:
+            proc.terminate()
+            proc.wait()
+
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "LOGPROBE_CACHE_DIR": cache}
+        return once(env), once(env)
+
+
+def ensure_llama_cpp() -> bool:
+    try:
+        import importlib
+
+        for name in ("llama_cpp", "sse_starlette", "starlette_context"):
+            importlib.import_module(name)
+        return True
+    except ImportError:
+        # A native build (-march=native, with AMX) crashed in libggml-cpu on these machines (general
+        # protection fault on the first token); AVX-512 without AMX works.
+        print("installing llama-cpp-python[server]==0.3.36 (builds llama.cpp from source) ...", flush=True)
+        env = {**os.environ, "CMAKE_ARGS": LLAMA_CMAKE_ARGS}
+        return subprocess.run([sys.executable, "-m", "pip", "install", "-q", "llama-cpp-python[server]==0.3.36"],
+                              env=env).returncode == 0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    ap.add_argument("--skip-llama", action="store_true")
+    args = ap.parse_args()
+    from logprobe.engine import loader
+
+    gguf = str(loader.bundled_gguf_path())
+    smol_dir = str(loader.ensure_cached(gguf))
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if loader.cpu_has_bf16() else "float32")
+    model = "smollm2-135m"
+    rows = []
+
+    proc, base = start_logprobe(dtype)
+    try:
+        wait_ready(base, proc)
+        texts = texts_of_128_tokens(base, model)
+        lp_score = scoring(base, model, texts, max_tokens=0)
+        lp_gen1, lp_ttft1 = generation(base, model, 1, 5)
+        lp_gen16, lp_ttft16 = generation(base, model, 16, 5)
+        e2e_ms, bare_ms = overhead(base, model, smol_dir, dtype)
+    finally:
+        proc.terminate()
+        proc.wait()
+    hf_score, hf_gen = transformers_loop(texts, smol_dir)
+    first_start, later_start = startup(dtype)
+
+    llama = None
+    if not args.skip_llama and ensure_llama_cpp():
+        proc, base = start_llama(gguf)
+        try:
+            wait_ready(base, proc)
+            llama = dict(score=scoring(base, model, texts, max_tokens=1), gen1=generation(base, model, 1, None),
+                         gen16=generation(base, model, 16, 5))
+        finally:
+            proc.terminate()
+            proc.wait()
+
+    cond = f"SmolLM2-135M, logprobe {dtype}, {os.cpu_count()} CPU cores, greedy"
+    print(f"\nconditions: {cond}; llama-cpp-python 0.3.36 on the same Q4_1 GGUF; transformers float32")
+    rows.append(("1. scoring, 64 x 128 tokens, echo+logprobs 5, 4 clients (prompt tok/s)", lp_score,
+                 [("transformers f32 loop", hf_score), ("llama-cpp-python", llama and llama["score"]),
+                  ("f32 FLOP limit (PERFORMANCE.md)", 770.0)]))
+    rows.append(("2a. generation, 1 stream, logprobs 5 (tok/s)", lp_gen1,
+                 [("transformers generate f32", hf_gen), ("llama-cpp-python 1 stream, no logprobs",
+                                                         llama and llama["gen1"][0])]))
+    rows.append(("2b. generation, 16 streams, logprobs 5 (aggregate tok/s)", lp_gen16,
+                 [("llama-cpp-python 1 stream, no logprobs", llama and llama["gen1"][0]),
+                  ("llama-cpp-python 16 streams, logprobs 5", llama and llama["gen16"][0])]))
+    for title, ours, peers in rows:
+        print(f"{title}: logprobe {ours:.1f}")
+        for name, value in peers:
+            if value:
+                print(f"    vs {name}: {value:.1f}  -> ratio {ours / value:.2f}x")
+    print(f"2. time to first token: 1 stream {lp_ttft1 * 1e3:.0f} ms, 16 streams (median) {lp_ttft16 * 1e3:.0f} ms"
+          + (f"; llama-cpp-python 16 streams {llama['gen16'][1] * 1e3:.0f} ms" if llama else ""))
+    print(f"4. 1-token request: {e2e_ms:.1f} ms end to end, bare forward {bare_ms:.1f} ms, overhead "
+          f"{e2e_ms - bare_ms:.1f} ms")
+    print(f"5. start-up to first answer: first start (dequantize + cache) {first_start:.1f} s, later {later_start:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
