@@ -63,16 +63,19 @@ class Releaser:
         else:
             safe = len(text) - self.hold
             upto = self.tokens
-            ends = seq.text.offsets[1:] + [start + len(text)]
-            while upto < len(seq.token_ids) and ends[upto] - start <= safe:
+            offsets, count = seq.text.offsets, len(seq.token_ids)
+
+            def end_of(i):  # where token i's text ends: where the next token starts
+                return (offsets[i + 1] if i + 1 < count else start + len(text)) - start
+
+            while upto < count and end_of(upto) <= safe:
                 upto += 1
-            chars = ends[upto - 1] - start if upto > self.tokens else self.chars
+            chars = end_of(upto - 1) if upto > self.tokens else self.chars
         if upto == self.tokens and chars == self.chars and not seq.is_finished and not self.is_first:
             return None
-        ids, lps, top_ids, top_lps = seq.columns(self.k)
-        sl = slice(self.tokens, upto)
-        delta = Delta(group_index, seq.index, self.is_first, text[self.chars:chars], ids[sl], lps[sl],
-                      top_ids[sl], top_lps[sl], seq.text.offsets[sl],
+        ids, lps, top_ids, top_lps = seq.columns(self.k, self.tokens, upto)
+        delta = Delta(group_index, seq.index, self.is_first, text[self.chars:chars], ids, lps,
+                      top_ids, top_lps, seq.text.offsets[self.tokens:upto],
                       seq.finish_reason.value if seq.is_finished else None)
         self.tokens, self.chars, self.is_first = upto, chars, False
         return delta

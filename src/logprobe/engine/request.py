@@ -108,17 +108,20 @@ class Sequence:
     def num_kept_tokens(self) -> int:
         return len(self.token_ids) if self.num_kept is None else self.num_kept
 
-    def columns(self, k: int):
-        """(ids [T], logprobs [T], top ids [T, k], top logprobs [T, k]) of the kept tokens."""
-        t = len(self.token_ids) if self.num_kept is None else self.num_kept
-        ids = np.asarray(self.token_ids[:t], dtype=np.int64)
-        lps = np.asarray(self.logprobs[:t], dtype=np.float32)
-        if t and k:
-            top_ids = np.stack(self.top_ids[:t])[:, :k]
-            top_lps = np.stack(self.top_logprobs[:t])[:, :k]
+    def columns(self, k: int, start: int = 0, stop: int | None = None):
+        """(ids, logprobs, top ids [., k], top logprobs [., k]) of kept tokens start..stop. Streaming
+        asks for just the new tokens, so a long stream does not re-stack its history every step."""
+        kept = len(self.token_ids) if self.num_kept is None else self.num_kept
+        stop = kept if stop is None else min(stop, kept)
+        start = min(start, stop)
+        ids = np.asarray(self.token_ids[start:stop], dtype=np.int64)
+        lps = np.asarray(self.logprobs[start:stop], dtype=np.float32)
+        if stop > start and k:
+            top_ids = np.stack(self.top_ids[start:stop])[:, :k]
+            top_lps = np.stack(self.top_logprobs[start:stop])[:, :k]
         else:
-            top_ids = np.zeros((t, k), dtype=np.int64)
-            top_lps = np.zeros((t, k), dtype=np.float32)
+            top_ids = np.zeros((stop - start, k), dtype=np.int64)
+            top_lps = np.zeros((stop - start, k), dtype=np.float32)
         return ids, lps, top_ids, top_lps
 
 
