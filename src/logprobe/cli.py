@@ -7,9 +7,10 @@ import logging
 import signal
 import sys
 import threading
+import time
 from dataclasses import fields
 
-from .config import Limits, Settings, env_default
+from .config import AdmissionSettings, Limits, Settings, env_default, read_api_keys
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,12 +26,21 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a Jinja chat template file, used instead of (or where there is no) model template")
     serve.add_argument("--dtype", choices=["float32", "bfloat16", "auto"], default=env_default("dtype", s.dtype))
     serve.add_argument("--device", default=env_default("device", s.device), help="cpu, cuda or cuda:N")
-    serve.add_argument("--host", default=env_default("host", s.host))
+    serve.add_argument("--host", default=env_default("host", s.host),
+                       help="address to bind (default 127.0.0.1: only this machine; use 0.0.0.0 with --api-key)")
     serve.add_argument("--port", type=int, default=env_default("port", s.port))
     serve.add_argument("--log-level", default=env_default("log_level", s.log_level))
+    auth = serve.add_argument_group("API keys (also LOGPROBE_API_KEY, comma-separated)")
+    auth.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                      help="a key clients must send as Authorization: Bearer KEY (repeatable)")
+    auth.add_argument("--api-key-file", default=env_default("api_key_file", None), metavar="PATH",
+                      help="a file of keys, one per line (# starts a comment)")
     caps = serve.add_argument_group("size caps (API.md section 8)")
     for f in fields(Limits):
         caps.add_argument("--" + f.name.replace("_", "-"), type=int, default=env_default(f.name, f.default))
+    hold = serve.add_argument_group("the hold, queue and time limits (API.md section 10)")
+    for f in fields(AdmissionSettings):
+        hold.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=env_default(f.name, f.default))
     score = sub.add_parser("score", help="print a text's per-token log probabilities (no server needed)")
     score.add_argument("text", help="the text to score")
     score.add_argument("--context", help="text that comes before, conditioned on but not scored")
@@ -49,44 +59,93 @@ def build_parser() -> argparse.ArgumentParser:
 
 def settings_from_args(args) -> Settings:
     limits = Limits(**{f.name: getattr(args, f.name) for f in fields(Limits)})
+    admission = AdmissionSettings(**{f.name: getattr(args, f.name) for f in fields(AdmissionSettings)})
+    try:
+        keys = read_api_keys(args.api_key, args.api_key_file)
+    except OSError as exc:
+        raise SystemExit(f"logprobe: cannot read --api-key-file: {exc.strerror}")
     return Settings(model=args.model, aliases=args.alias, chat_template=args.chat_template, dtype=args.dtype, device=args.device,
-                    host=args.host, port=args.port, log_level=args.log_level, limits=limits)
+                    host=args.host, port=args.port, log_level=args.log_level, limits=limits, admission=admission,
+                    api_keys=keys)
 
 
 def serve(settings: Settings) -> int:
+    """Start HTTP at once (/health says `loading`), load the model, serve; on SIGTERM or SIGINT drain:
+    refuse new requests (503), finish those admitted (up to --drain-timeout), exit 0. A second signal
+    exits at once."""
     import uvicorn
 
-    from .api.app import create_app
+    from .api.app import attach_engine, create_app
     from .engine import loader
     from .engine.engine import Engine
 
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("logprobe")
+    if settings.api_keys:
+        log.info("%d API key(s) configured: /v1/* and the tokenizer paths need Authorization: Bearer KEY",
+                 len(settings.api_keys))
+    else:
+        log.warning("no API key configured: the server is open to anyone who can reach http://%s:%d%s",
+                    settings.host, settings.port,
+                    "" if settings.host in ("127.0.0.1", "localhost", "::1") else
+                    " -- it listens beyond this machine; set --api-key")
+    app = create_app(None, settings.limits, settings.admission, settings.api_keys)
+    # The HTTP server runs in a thread and the engine's step loop in the main thread, where torch's
+    # CPU kernels run fastest (see Engine.run_forever). Signals arrive in the main thread.
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False,
+        timeout_graceful_shutdown=5, h11_max_incomplete_event_size=max(16384, settings.limits.max_header_bytes + 4096)))
+    http = threading.Thread(target=server.run, name="logprobe-http", daemon=True)
+    http.start()
+    engine_box: list = []
+    signalled = threading.Event()
+
+    def drain() -> None:
+        admission = app.state.admission
+        loop = getattr(app.state, "loop", None)
+        if loop is not None:
+            loop.call_soon_threadsafe(admission.drain)
+        deadline = time.monotonic() + settings.admission.drain_timeout
+        while time.monotonic() < deadline and (admission.running or admission.queue_depth):
+            time.sleep(0.05)
+        if admission.running:
+            log.warning("drain time-out: stopping %d request(s) still running", admission.running)
+        else:
+            log.info("drained: no request running")
+        server.should_exit = True  # stop listening; uvicorn cancels what still runs after 5 s
+
+    def on_signal(signum, frame):
+        if signalled.is_set():  # a second signal: leave now
+            server.force_exit = server.should_exit = True
+            if engine_box:
+                engine_box[0].request_stop()
+            return
+        signalled.set()
+        log.info("%s: draining (new requests get 503, running ones finish, up to %g s)",
+                 signal.Signals(signum).name, settings.admission.drain_timeout)
+        threading.Thread(target=drain, name="logprobe-drain", daemon=True).start()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
     try:
         source = loader.resolve_source(settings.model)
         model, tokenizer = loader.load(source, dtype=settings.dtype, device=settings.device)
+        if settings.chat_template:
+            try:
+                tokenizer.chat_template = open(settings.chat_template, encoding="utf-8").read()
+            except OSError as exc:
+                raise loader.ModelLoadError(f"cannot read --chat-template: {exc.strerror}") from None
     except loader.ModelLoadError as exc:
         print(f"logprobe: {exc}", file=sys.stderr)
+        server.should_exit = True
+        http.join(timeout=10)
         return 2
-    if settings.chat_template:
-        try:
-            tokenizer.chat_template = open(settings.chat_template, encoding="utf-8").read()
-        except OSError as exc:
-            print(f"logprobe: cannot read --chat-template: {exc}", file=sys.stderr)
-            return 2
     aliases = source.aliases + [a for a in settings.aliases if a not in source.aliases]
     engine = Engine(model, tokenizer, source.name, aliases)
-    log.info("serving %s (aliases: %s) on http://%s:%d", engine.info.name, ", ".join(aliases) or "none",
+    engine_box.append(engine)
+    attach_engine(app, engine)
+    log.info("ready: serving %s (aliases: %s) on http://%s:%d", engine.info.name, ", ".join(aliases) or "none",
              settings.host, settings.port)
-    app = create_app(engine, settings.limits)
-    # The HTTP server runs in a thread and the engine's step loop in the main thread, where torch's
-    # CPU kernels run fastest (see Engine.run_forever). Signals arrive in the main thread.
-    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port,
-                                           log_level=settings.log_level))
-    http = threading.Thread(target=server.run, name="logprobe-http", daemon=True)
-    http.start()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda signum, frame: engine.request_stop())
     engine.run_forever(alive=http.is_alive)
     server.should_exit = True
     http.join(timeout=15)

@@ -19,6 +19,9 @@ class Limits:
     max_prompts: int = 256
     max_body_bytes: int = 16 * 1024 * 1024
     max_stop: int = 4
+    max_json_depth: int = 64  # nesting of the JSON body
+    max_header_bytes: int = 8192  # all request headers together (431 over it)
+    max_tokens_in_flight: int = 131_072  # the hold: (prompt + max_tokens) x n of every admitted request
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -35,6 +38,19 @@ class Settings:
     port: int = 8000
     log_level: str = "info"
     limits: Limits = field(default_factory=Limits)
+    admission: "AdmissionSettings" = field(default_factory=lambda: AdmissionSettings())
+    api_keys: list[str] = field(default_factory=list)
+
+
+@dataclass
+class AdmissionSettings:
+    """The hold (API.md section 10) and the time limits around it."""
+
+    tokens_per_minute: int = 0  # per API key (0: no budget); one shared budget when no key is configured
+    max_queue: int = 256  # requests waiting for their hold; one more gets 429
+    queue_timeout: float = 30.0  # seconds a request may wait for its hold before 429
+    request_timeout: float = 600.0  # seconds a request may run once admitted (0: no limit)
+    drain_timeout: float = 30.0  # on SIGTERM: seconds to finish running requests before exiting
 
 
 def env_default(name: str, default):
@@ -43,3 +59,14 @@ def env_default(name: str, default):
     if raw is None:
         return default
     return type(default)(raw) if default is not None else raw
+
+
+def read_api_keys(cli_keys: list[str], key_file: str | None) -> list[str]:
+    """Keys from --api-key (repeatable), LOGPROBE_API_KEY (comma-separated) and --api-key-file (one per
+    line; blank lines and lines starting with # are skipped)."""
+    keys = [k.strip() for k in cli_keys if k.strip()]
+    keys += [k.strip() for k in os.environ.get("LOGPROBE_API_KEY", "").split(",") if k.strip()]
+    if key_file:
+        with open(key_file, encoding="utf-8") as fh:
+            keys += [line.strip() for line in fh if line.strip() and not line.lstrip().startswith("#")]
+    return list(dict.fromkeys(keys))

@@ -49,5 +49,5 @@ def test_tokenizer_info(client, tokenizer):
 
 def test_health(client):
     r = client.get("/health")
-    assert r.status_code == 200 and r.json()["status"] == "ok"
+    assert r.status_code == 200 and r.json()["status"] == "ready"
     assert r.headers["x-request-id"].startswith("req_")

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import hashlib
+import hmac
 import logging
 import time
 from pathlib import Path
@@ -13,60 +17,177 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import FileResponse, Response
 from starlette.staticfiles import StaticFiles
 
-from ..config import Limits
-from .errors import APIError, InternalError, error_response, new_request_id
+from ..config import AdmissionSettings, Limits
+from .admission import Admission
+from .errors import APIError, InternalError, InvalidAPIKey, Unavailable, error_response, new_request_id
+from .metrics import Metrics
 from .routes import ClientGone, router
 
 log = logging.getLogger("logprobe.api")
+access_log = logging.getLogger("logprobe.access")
 
 
-class RequestIdMiddleware:
-    """Gives every request an id (`request.state.request_id`), sets `x-request-id` on every response,
-    and turns anything that escapes the handlers into a 500 envelope without internals."""
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info")
+OPEN_PATHS = ("/health", "/metrics")
+QUERY_KEY_NAMES = {b"api_key", b"api-key", b"apikey", b"key", b"token", b"access_token"}
 
-    def __init__(self, app):
+
+class KeyRing:
+    """The configured API keys, compared in constant time: the presented key and every configured key
+    are hashed to equal-length digests, and every key is compared (no early exit on a match), so the
+    time taken tells nothing about how much of a key was right or which key matched."""
+
+    def __init__(self, keys):
+        self._digests = [(hashlib.sha256(k.encode()).digest(), "key-" + hashlib.sha256(k.encode()).hexdigest()[:8])
+                         for k in keys]
+
+    def __bool__(self) -> bool:
+        return bool(self._digests)
+
+    def identify(self, presented: bytes) -> str | None:
+        """The id of the key (for budgets and logs; never the key itself), or None."""
+        digest = hashlib.sha256(presented).digest()
+        found = None
+        for known, key_id in self._digests:
+            if hmac.compare_digest(digest, known):
+                found = key_id
+        return found
+
+
+def _is_protected(path: str) -> bool:
+    return path.startswith(PROTECTED_PREFIXES) or path == "/v1"
+
+
+class Gate:
+    """The first thing every request meets: its id (`x-request-id` on every response), the header cap,
+    the API key, loading/draining, and on the way out the access-log line and the request metrics.
+    Anything that escapes the handlers becomes a 500 envelope without internals."""
+
+    def __init__(self, app, state):
         self.app = app
+        self.state = state  # the FastAPI app's state: engine, limits, keys, admission, metrics
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         request_id = new_request_id()
-        scope.setdefault("state", {})["request_id"] = request_id
-        started = False
+        info = scope.setdefault("state", {})
+        info["request_id"] = request_id
+        info["key_id"] = "anonymous"
+        started, status = False, 500
 
         async def send_with_id(message):
-            nonlocal started
+            nonlocal started, status
             if message["type"] == "http.response.start":
-                started = True
+                started, status = True, message["status"]
                 headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
                 headers.append((b"x-request-id", request_id.encode()))
                 message = {**message, "headers": headers}
             await send(message)
 
         t0 = time.perf_counter()
+        path = scope.get("path", "")
         try:
-            await self.app(scope, receive, send_with_id)
+            refusal = self._refusal(scope, info)
+            if refusal is not None:
+                await error_response(refusal, request_id)(scope, receive, send_with_id)
+            else:
+                await self.app(scope, receive, send_with_id)
         except Exception:
-            log.exception("unhandled error in %s %s (%s)", scope.get("method"), scope.get("path"), request_id)
+            log.exception("unhandled error in %s %s (%s)", scope.get("method"), path, request_id)
             if not started:
                 resp = error_response(InternalError("The server had an error while processing your request."),
                                       request_id)
                 await resp(scope, receive, send_with_id)
         finally:
-            log.debug("%s %s %s %.1f ms", request_id, scope.get("method"), scope.get("path"),
-                      (time.perf_counter() - t0) * 1000)
+            if not started:
+                status = 499  # the client left before an answer began
+            self._record(scope, info, path, status, time.perf_counter() - t0)
+
+    def _refusal(self, scope, info) -> APIError | None:
+        """Why this request is refused before any handler runs, or None."""
+        limits = self.state.limits
+        size = sum(len(k) + len(v) + 4 for k, v in scope.get("headers", ()))
+        if size > limits.max_header_bytes:
+            return APIError(f"The request headers take {size} bytes, over this server's cap of "
+                            f"{limits.max_header_bytes} bytes (max_header_bytes).", None, status=431,
+                            code="request_too_large")
+        path = scope.get("path", "")
+        keys: KeyRing = self.state.keys
+        if keys and _is_protected(path):
+            query = scope.get("query_string", b"")
+            if query and any(part.split(b"=", 1)[0].lower() in QUERY_KEY_NAMES for part in query.split(b"&")):
+                return InvalidAPIKey("API keys are not accepted in the query string (it ends up in logs and "
+                                     "browser history). Send it in the header: Authorization: Bearer KEY.")
+            auth = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), None)
+            scheme, _, presented = (auth or b"").partition(b" ")
+            if auth is None or scheme.lower() != b"bearer" or not presented.strip():
+                return InvalidAPIKey("You did not send an API key. Send it in the header: Authorization: Bearer KEY.")
+            key_id = keys.identify(presented.strip())
+            if key_id is None:
+                return InvalidAPIKey("The API key you sent is not valid on this server.")
+            info["key_id"] = key_id
+        if _is_protected(path):
+            if self.state.engine is None:
+                return Unavailable("The model is still loading; try again in a moment (GET /health says "
+                                   "when it is ready).")
+            if self.state.admission.draining:
+                return Unavailable("The server is shutting down and takes no new requests.")
+        return None
+
+    def _record(self, scope, info, path: str, status: int, seconds: float) -> None:
+        metrics = self.state.metrics
+        label = path if path in KNOWN_PATHS else ("/v1/models/{model}" if path.startswith("/v1/models/")
+                                                   else "other")
+        metrics.requests.labels(label, str(status)).inc()
+        metrics.request_seconds.labels(label).observe(seconds)
+        usage = info.get("usage")
+        if usage is not None:
+            metrics.prompt_tokens.inc(usage[0])
+            metrics.completion_tokens.inc(usage[1])
+        if label in ("/health", "/metrics") and status == 200:
+            return  # probes would drown the log
+        line = {"request_id": info["request_id"], "method": scope.get("method"), "path": path,
+                "status": status, "key": info.get("key_id"), "ms": round(seconds * 1000, 1)}
+        if usage is not None:
+            line["prompt_tokens"], line["completion_tokens"] = usage
+        hold = info.get("hold")
+        if hold is not None:
+            line["held_tokens"] = hold.tokens
+            line["queue_ms"] = round(hold.queue_seconds * 1000, 1)
+        access_log.info(orjson.dumps(line).decode())
+
+
+KNOWN_PATHS = {"/v1/completions", "/v1/chat/completions", "/v1/score", "/v1/models", "/tokenize", "/detokenize",
+               "/tokenizer_info", "/health", "/metrics", "/"}
 
 
 def _request_id(request: Request) -> str:
     return getattr(request.state, "request_id", None) or new_request_id()
 
 
-def create_app(engine, limits: Limits | None = None) -> FastAPI:
-    """Build the ASGI app around a started `Engine`."""
-    app = FastAPI(title="logprobe", version="0.1.0",
+def create_app(engine, limits: Limits | None = None, admission: AdmissionSettings | None = None,
+               api_keys=()) -> FastAPI:
+    """Build the ASGI app around a started `Engine`, or around None while the model loads (API paths
+    answer 503 until `attach_engine`)."""
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        app.state.loop = asyncio.get_running_loop()  # for the SIGTERM drain, which runs in another thread
+        yield
+
+    app = FastAPI(title="logprobe", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible server for a language model's log probabilities.")
-    app.state.engine = engine
+    app.state.engine = None
     app.state.limits = limits or Limits()
+    app.state.settings = admission or AdmissionSettings()
+    app.state.keys = KeyRing(api_keys)
+    app.state.admission = Admission(app.state.limits.max_tokens_in_flight, app.state.settings.tokens_per_minute,
+                                    app.state.settings.max_queue, app.state.settings.queue_timeout)
+    app.state.metrics = Metrics()
+    app.state.admission.on_queue_time = app.state.metrics.queue_seconds.observe
+    app.state.metrics.watch(app.state.admission, lambda: app.state.engine)
+    if engine is not None:
+        attach_engine(app, engine)
     app.include_router(router)
     web = Path(__file__).resolve().parent.parent / "web"
     app.mount("/static", StaticFiles(directory=web), name="static")
@@ -110,8 +231,14 @@ def create_app(engine, limits: Limits | None = None) -> FastAPI:
         return error_response(InternalError("The server had an error while processing your request."),
                               _request_id(request))
 
-    app.add_middleware(RequestIdMiddleware)
+    app.add_middleware(Gate, state=app.state)
     return app
+
+
+def attach_engine(app: FastAPI, engine) -> None:
+    """The model is loaded: serve it."""
+    engine.step_observer = app.state.metrics.observe_step
+    app.state.engine = engine
 
 
 def json_response(payload, status: int = 200) -> Response:

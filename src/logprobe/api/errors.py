@@ -51,6 +51,20 @@ class ModelNotFound(APIError):
         super().__init__(f"The model `{model}` does not exist.", "model")
 
 
+class InvalidAPIKey(APIError):
+    status = 401
+    code = "invalid_api_key"
+
+    def __init__(self, message: str):
+        super().__init__(message, None, headers={"www-authenticate": "Bearer"})
+
+
+class Timeout(APIError):
+    status = 504
+    type = "server_error"
+    code = "timeout"
+
+
 class RequestTooLarge(APIError):
     status = 413
     code = "request_too_large"

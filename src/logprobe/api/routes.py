@@ -17,7 +17,7 @@ from . import scoring
 from .common import Parts, iter_body
 from .streaming import stream_groups
 from . import validation as v
-from .errors import InvalidRequest, ModelNotFound, RequestTooLarge
+from .errors import InvalidRequest, ModelNotFound, RequestTooLarge, Timeout
 
 router = APIRouter()
 CREATED = int(time.time())
@@ -41,14 +41,37 @@ async def read_json(request: Request) -> dict:
             raise RequestTooLarge(f"The request body is over this server's cap of {limit} bytes "
                                   "(max_body_bytes).")
         chunks.append(chunk)
+    raw = b"".join(chunks)
+    depth_cap = request.app.state.limits.max_json_depth
+    too_deep = InvalidRequest(f"The JSON body nests deeper than this server's cap of {depth_cap} levels "
+                              "(max_json_depth).")
     try:
-        body = orjson.loads(b"".join(chunks))
-    except orjson.JSONDecodeError:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        if "recursion" in str(exc):
+            raise too_deep from None
         raise InvalidRequest("We could not parse the JSON body of your request: it is not valid JSON. "
                              "Send a JSON object with Content-Type: application/json.") from None
     if not isinstance(body, dict):
         raise InvalidRequest("The request body must be a JSON object.")
+    if raw.count(b"[") + raw.count(b"{") > depth_cap and _deeper_than(body, depth_cap):
+        raise too_deep
     return body
+
+
+def _deeper_than(obj, cap: int) -> bool:
+    """Whether containers nest more than `cap` levels (the top object is level 1). Lists of scalars
+    (token ids) are checked by type in C, not walked element by element in Python."""
+    stack = [(obj, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > cap:
+            return True
+        items = node.values() if type(node) is dict else node
+        kinds = set(map(type, items))
+        if dict in kinds or list in kinds:
+            stack.extend((x, depth + 1) for x in items if type(x) is dict or type(x) is list)
+    return False
 
 
 class ClientGone(Exception):
@@ -57,8 +80,8 @@ class ClientGone(Exception):
 
 async def run_while_connected(request: Request, engine, groups) -> None:
     """Run groups in the engine; if the client disconnects first, abort them (the engine drops them
-    before their next step) instead of finishing work nobody will read. Groups that need no forward
-    pass are finished here without queueing."""
+    before their next step) instead of finishing work nobody will read; the same, with 504, when they
+    run past the request time-out. Groups that need no forward pass are finished here without queueing."""
     for group in [g for g in groups if not g.params.needs_forward]:
         for seq in group.sequences:
             seq.finish_reason = FinishReason.LENGTH
@@ -72,20 +95,75 @@ async def run_while_connected(request: Request, engine, groups) -> None:
             pass
 
     watcher = asyncio.ensure_future(wait_for_disconnect())
+    timeout = request.app.state.settings.request_timeout or None
     try:
-        await asyncio.wait({run, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({run, watcher}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
         if not run.done():
             run.cancel()  # engine.run marks the groups aborted
             await asyncio.gather(run, return_exceptions=True)
-            raise ClientGone()
+            if watcher.done() and not watcher.cancelled():
+                raise ClientGone()
+            raise Timeout(f"The request ran longer than this server's limit of {timeout:g} s (request_timeout) "
+                          "and was stopped.")
     run.result()
 
 
-def event_stream(chunks) -> StreamingResponse:
-    return StreamingResponse(chunks, media_type="text/event-stream",
-                             headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+def held_tokens(groups) -> int:
+    """What the hold takes: (prompt tokens + max_tokens) x n, summed over the groups (prompts)."""
+    return sum((g.num_prompt_tokens + g.params.max_tokens) * g.params.n for g in groups)
+
+
+async def admit(request: Request, groups):
+    """Hold the request's tokens (waiting in the queue if need be); see admission.py."""
+    hold = await request.app.state.admission.acquire(request.state.key_id, held_tokens(groups))
+    request.state.hold = hold
+    return hold
+
+
+def release(request: Request, hold, groups) -> None:
+    """The request is over (done, failed, timed out or abandoned): give back its hold, and record its
+    usage for the access log and the metrics."""
+    prompt = sum(g.num_prompt_tokens for g in groups)
+    completion = sum(len(s.token_ids) for g in groups for s in g.sequences)
+    request.state.usage = (prompt, completion)
+    request.app.state.admission.release(
+        hold, used=sum(g.num_prompt_tokens * g.params.n for g in groups) + completion)
+
+
+class HeldStream(StreamingResponse):
+    """A streamed answer that gives back its hold when it ends, however it ends (finished, client gone,
+    cancelled by shutdown), even if its body was never iterated."""
+
+    def __init__(self, content, on_close, **kwargs):
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+            close = getattr(self.body_iterator, "aclose", None)
+            if close is not None:
+                await close()
+
+
+async def run_held(request: Request, engine, groups):
+    hold = await admit(request, groups)
+    try:
+        await run_while_connected(request, engine, groups)
+    finally:
+        release(request, hold, groups)
+    return hold
+
+
+def stream_held(request: Request, engine, groups, hold, k: int, format_deltas, final_chunks) -> StreamingResponse:
+    gen = stream_groups(engine, groups, k, request.state.request_id, format_deltas, final_chunks,
+                        timeout=request.app.state.settings.request_timeout or None)
+    return HeldStream(gen, lambda: release(request, hold, groups), media_type="text/event-stream",
+                      headers={"cache-control": "no-cache", "x-accel-buffering": "no", **hold.headers})
 
 
 def resolve_model(request: Request, name: str | None, required: bool = True):
@@ -123,11 +201,17 @@ async def create_completion(request: Request):
     groups, echoes = cmpl.build_groups(engine, req, prompts, request.state.request_id)
     if req.stream:
         format_deltas, final_chunks = cmpl.stream_formatters(engine, req, groups, echoes)
-        return event_stream(stream_groups(engine, groups, req.params.logprobs or 0, request.state.request_id,
-                                          format_deltas, final_chunks))
-    await run_while_connected(request, engine, groups)
+        hold = await admit(request, groups)
+        return stream_held(request, engine, groups, hold, req.params.logprobs or 0, format_deltas, final_chunks)
+    hold = await run_held(request, engine, groups)
     payload, parts = cmpl.format_response(engine, req, groups, echoes)
-    return await body_response(payload, parts, whole_vocab=req.params.prompt_logprobs == -1)
+    return with_headers(await body_response(payload, parts, whole_vocab=req.params.prompt_logprobs == -1),
+                        hold.headers)
+
+
+def with_headers(response: Response, headers: dict) -> Response:
+    response.headers.update(headers)
+    return response
 
 
 async def body_response(payload: dict, parts, whole_vocab: bool) -> Response:
@@ -154,12 +238,13 @@ async def create_chat_completion(request: Request):
     group = chat.build_group(engine, req, ids, request.state.request_id)
     if req.stream:
         format_deltas, final_chunks = chat.stream_formatters(engine, req, group)
-        return event_stream(stream_groups(engine, [group], req.params.logprobs or 0, request.state.request_id,
-                                          format_deltas, final_chunks))
-    await run_while_connected(request, engine, [group])
+        hold = await admit(request, [group])
+        return stream_held(request, engine, [group], hold, req.params.logprobs or 0, format_deltas, final_chunks)
+    hold = await run_held(request, engine, [group])
     parts = Parts()
     payload = chat.format_response(engine, req, group, parts)
-    return await body_response(payload, parts, whole_vocab=req.params.prompt_logprobs == -1)
+    return with_headers(await body_response(payload, parts, whole_vocab=req.params.prompt_logprobs == -1),
+                        hold.headers)
 
 
 @router.post("/v1/score")
@@ -173,8 +258,8 @@ async def score(request: Request):
     items = await run_in_threadpool(scoring.tokenize_items, engine, req)
     scoring.check_caps(engine, req, items, limits)
     groups = scoring.build_groups(engine, req, items, request.state.request_id)
-    await run_while_connected(request, engine, groups)
-    return _json(scoring.format_response(engine, req, items, groups))
+    hold = await run_held(request, engine, groups)
+    return with_headers(_json(scoring.format_response(engine, req, items, groups)), hold.headers)
 
 
 @router.get("/v1/models")
@@ -234,6 +319,20 @@ async def tokenizer_info(request: Request):
 
 @router.get("/health")
 async def health(request: Request):
-    """200 when the model is loaded and the engine runs."""
-    engine = request.app.state.engine
-    return _json({"status": "ok", "in_flight": engine.num_in_flight, "engine_steps": engine.num_steps})
+    """`ready` (200) when the model is loaded and requests are taken; `loading` or `draining` (503)
+    otherwise, so that a load balancer sends nothing here until it is ready and stops when it drains."""
+    state = request.app.state
+    engine, admission = state.engine, state.admission
+    status = "loading" if engine is None else "draining" if admission.draining else "ready"
+    body = {"status": status, "requests_running": admission.running, "requests_queued": admission.queue_depth,
+            "tokens_held": admission.held, "in_flight": engine.num_in_flight if engine else 0,
+            "engine_steps": engine.num_steps if engine else 0}
+    return _json(body, 200 if status == "ready" else 503)
+
+
+@router.get("/metrics", include_in_schema=False)
+async def metrics(request: Request):
+    """Prometheus text format: requests by path and status, tokens in and out, queue depth, time in
+    queue, step time, rows per step, tokens held."""
+    body, content_type = request.app.state.metrics.exposition()
+    return Response(body, media_type=content_type)

@@ -18,7 +18,7 @@ import numpy as np
 import orjson
 
 from ..engine.request import Sequence, SequenceGroup
-from .errors import APIError, InternalError, error_body
+from .errors import Timeout, APIError, InternalError, error_body
 
 log = logging.getLogger("logprobe.stream")
 DONE = b"data: [DONE]\n\n"
@@ -99,11 +99,13 @@ def attach_releasers(groups: list[SequenceGroup], k: int, loop: asyncio.Abstract
 
 async def stream_groups(engine, groups: list[SequenceGroup], k: int, request_id: str,
                         format_deltas: Callable[[list[Delta]], list[bytes]],
-                        final_chunks: Callable[[], list[bytes]]) -> AsyncIterator[bytes]:
+                        final_chunks: Callable[[], list[bytes]], timeout: float | None = None) -> AsyncIterator[bytes]:
     """Run groups and yield SSE bytes: formatted deltas as they come, then `final_chunks()` and
     `[DONE]`. An engine error becomes an error event. If the client goes away (the generator is
-    closed or cancelled), the groups are aborted: the engine drops them before their next step."""
+    closed or cancelled), the groups are aborted: the engine drops them before their next step. Past
+    `timeout` seconds the groups are aborted and the stream ends with a time-out error event."""
     loop = asyncio.get_running_loop()
+    deadline = None if timeout is None else loop.time() + timeout
     queue: asyncio.Queue = asyncio.Queue()
     attach_releasers(groups, k, loop, queue)
     futures = engine.submit(groups)
@@ -111,7 +113,12 @@ async def stream_groups(engine, groups: list[SequenceGroup], k: int, request_id:
     try:
         while True:
             getter = asyncio.ensure_future(queue.get())
-            await asyncio.wait({getter, done}, return_when=asyncio.FIRST_COMPLETED)
+            left = None if deadline is None else max(0.0, deadline - loop.time())
+            await asyncio.wait({getter, done}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            if not getter.done() and not done.done():
+                getter.cancel()
+                raise Timeout(f"The request ran longer than this server's limit of {timeout:g} s "
+                              "(request_timeout) and was stopped.")
             if getter.done():
                 for chunk in format_deltas(getter.result()):
                     yield chunk

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -90,6 +91,7 @@ class Engine:
         self._alive = lambda: True
         self._looping = False
         self.num_steps = 0
+        self.step_observer = None  # called on the engine thread with (seconds, rows) after each step
         self._prompt_encoders = {}
 
     def prompt_encoder(self, as_ids: bool = False):
@@ -174,8 +176,13 @@ class Engine:
             self.scheduler.dropped.clear()
             if plan is None:
                 continue
+            rows = (len(plan.score) + (plan.prefill is not None)
+                    + sum(len(g.active_rows) for g in plan.decode))
+            t0 = time.perf_counter()
             try:
                 self.step(plan)
+                if self.step_observer is not None:
+                    self.step_observer(time.perf_counter() - t0, rows)
             except Exception as exc:  # a bug: fail these requests, keep serving the others
                 log.exception("engine step failed for %s", ", ".join(g.request_id for g in plan.groups))
                 for group in plan.groups:

@@ -1,0 +1,236 @@
+"""The hold (API.md section 10): admission of checked requests against the server's capacity and each
+key's token budget.
+
+A request that has passed every check holds `(prompt tokens + max_tokens) x n`, summed over its
+prompts, against two things:
+
+- the server's capacity (`max_tokens_in_flight`): every held token is given back when the request
+  ends, fails, times out or its client goes away;
+- its key's budget (`tokens_per_minute`, a token bucket that refills continuously): the tokens it did
+  not use (max_tokens it did not generate) are given back at the end, as OpenAI's limits do.
+
+Requests that do not fit wait in one bounded FIFO queue. A waiter blocked by the server's capacity
+blocks those behind it (so a large request is not starved by small ones); a waiter blocked only by its
+own key's budget does not block other keys. 429 `rate_limit_exceeded` with `Retry-After` when the queue
+is full, when the wait for the key's budget is known to pass `queue_timeout`, or when it did pass it.
+
+Everything here runs on the event loop: no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import math
+import time
+from dataclasses import dataclass, field
+
+from .errors import APIError, InvalidRequest, Unavailable
+
+
+class RateLimited(APIError):
+    status = 429
+    type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, retry_after: float, headers: dict | None = None):
+        super().__init__(message, None, headers={**(headers or {}),
+                                                 "retry-after": str(max(1, math.ceil(retry_after)))})
+
+
+def duration(seconds: float) -> str:
+    """OpenAI's format for x-ratelimit-reset-*: `850ms`, `2.5s`, `1m30s`."""
+    if seconds < 1:
+        return f"{max(0, round(seconds * 1000))}ms"
+    if seconds < 60:
+        return f"{seconds:.3g}s"
+    minutes, rest = divmod(seconds, 60)
+    return f"{int(minutes)}m{rest:.0f}s"
+
+
+class TokenBucket:
+    """`per_minute` tokens, refilled continuously at per_minute / 60 a second, never above per_minute."""
+
+    def __init__(self, per_minute: int, now: float):
+        self.size = float(per_minute)
+        self.rate = per_minute / 60.0
+        self.level = self.size
+        self.at = now
+
+    def refill(self, now: float) -> None:
+        self.level = min(self.size, self.level + (now - self.at) * self.rate)
+        self.at = now
+
+    def wait_for(self, tokens: int, now: float) -> float:
+        self.refill(now)
+        return 0.0 if self.level >= tokens else (tokens - self.level) / self.rate
+
+    def reset_in(self, now: float) -> float:
+        self.refill(now)
+        return (self.size - self.level) / self.rate
+
+
+@dataclass(eq=False)
+class Hold:
+    key: str
+    tokens: int
+    queued_at: float
+    admitted_at: float | None = None
+    released: bool = False
+    headers: dict = field(default_factory=dict)
+
+    @property
+    def queue_seconds(self) -> float:
+        return 0.0 if self.admitted_at is None else self.admitted_at - self.queued_at
+
+
+@dataclass(eq=False)
+class _Waiter:
+    hold: Hold
+    future: asyncio.Future
+
+
+class Admission:
+    def __init__(self, capacity: int, tokens_per_minute: int = 0, max_queue: int = 256,
+                 queue_timeout: float = 30.0, clock=time.monotonic):
+        self.capacity = capacity
+        self.tokens_per_minute = tokens_per_minute
+        self.max_queue = max_queue
+        self.queue_timeout = queue_timeout
+        self.clock = clock
+        self.held = 0  # tokens held by admitted requests
+        self.running = 0  # admitted requests not yet released
+        self.draining = False
+        self._buckets: dict[str, TokenBucket] = {}
+        self._waiters: collections.deque[_Waiter] = collections.deque()
+        self._timer: asyncio.TimerHandle | None = None
+        self.on_queue_time = None  # called with seconds waited, for every admitted request
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiters)
+
+    def _bucket(self, key: str) -> TokenBucket | None:
+        if not self.tokens_per_minute:
+            return None
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            bucket = self._buckets[key] = TokenBucket(self.tokens_per_minute, self.clock())
+        return bucket
+
+    def _budget_headers(self, key: str) -> dict:
+        bucket = self._bucket(key)
+        if bucket is None:
+            return {}
+        now = self.clock()
+        bucket.refill(now)
+        return {"x-ratelimit-limit-tokens": str(self.tokens_per_minute),
+                "x-ratelimit-remaining-tokens": str(int(bucket.level)),
+                "x-ratelimit-reset-tokens": duration(bucket.reset_in(now))}
+
+    async def acquire(self, key: str, tokens: int) -> Hold:
+        """Wait until `tokens` fit and hold them. Raises Unavailable (draining), InvalidRequest (can never
+        fit the server), RateLimited (queue full, budget or wait too long). Cancelling the caller while
+        it waits takes it out of the queue."""
+        if self.draining:
+            raise Unavailable("The server is shutting down and takes no new requests.")
+        if tokens > self.capacity:
+            raise InvalidRequest(
+                f"This request needs {tokens} tokens ((prompt tokens + max_tokens) x n, summed over the prompts), "
+                f"more than this server ever holds at once ({self.capacity}, max_tokens_in_flight). "
+                "Reduce max_tokens, n or the prompts.", "max_tokens")
+        now = self.clock()
+        bucket = self._bucket(key)
+        if bucket is not None:
+            if tokens > self.tokens_per_minute:
+                raise RateLimited(
+                    f"This request needs {tokens} tokens, more than your key's budget of {self.tokens_per_minute} "
+                    "tokens per minute (tokens_per_minute); it can never run. Reduce max_tokens, n or the prompts.",
+                    60, self._budget_headers(key))
+            wait = bucket.wait_for(tokens, now)
+            if wait > self.queue_timeout:
+                raise RateLimited(
+                    f"Rate limit reached for your key: {tokens} tokens requested, {int(bucket.level)} of "
+                    f"{self.tokens_per_minute} tokens per minute left. Try again in {duration(wait)}.",
+                    wait, self._budget_headers(key))
+        hold = Hold(key, tokens, now)
+        waiter = _Waiter(hold, asyncio.get_running_loop().create_future())
+        self._waiters.append(waiter)
+        self._pump()
+        if waiter.future.done():
+            return waiter.future.result()
+        if len(self._waiters) > self.max_queue:
+            self._waiters.remove(waiter)
+            raise RateLimited(f"The server is busy: {self.max_queue} requests are already waiting (max_queue). "
+                              "Try again shortly.", 1, self._budget_headers(key))
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter.future), self.queue_timeout)
+        except asyncio.TimeoutError:
+            self._drop(waiter)
+            raise RateLimited(f"The server is busy: this request waited {self.queue_timeout:g} s for its "
+                              f"{tokens} tokens (queue_timeout). Try again shortly.", 1,
+                              self._budget_headers(key)) from None
+        except asyncio.CancelledError:
+            self._drop(waiter)
+            raise
+
+    def _drop(self, waiter: _Waiter) -> None:
+        """Take a waiter out; if it was admitted in the meantime, give its hold back."""
+        if waiter in self._waiters:
+            self._waiters.remove(waiter)
+            self._pump()  # it may have blocked those behind it
+        elif waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
+            self.release(waiter.future.result(), used=0)
+
+    def _pump(self) -> None:
+        """Admit waiters in order while they fit."""
+        now = self.clock()
+        next_refill = math.inf
+        for waiter in list(self._waiters):
+            hold = waiter.hold
+            bucket = self._bucket(hold.key)
+            if bucket is not None:
+                wait = bucket.wait_for(hold.tokens, now)
+                if wait > 0:
+                    next_refill = min(next_refill, wait)
+                    continue
+            if self.held + hold.tokens > self.capacity:
+                break
+            self._waiters.remove(waiter)
+            if bucket is not None:
+                bucket.level -= hold.tokens
+            self.held += hold.tokens
+            self.running += 1
+            hold.admitted_at = now
+            hold.headers = self._budget_headers(hold.key)
+            if self.on_queue_time is not None:
+                self.on_queue_time(hold.queue_seconds)
+            waiter.future.set_result(hold)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if next_refill < math.inf:
+            self._timer = asyncio.get_running_loop().call_later(next_refill + 1e-3, self._pump)
+
+    def release(self, hold: Hold, used: int) -> None:
+        """The request is over: give back all its held tokens to the server, and those it did not use
+        (`tokens - used`) to its key's budget. Idempotent."""
+        if hold.released:
+            return
+        hold.released = True
+        self.held -= hold.tokens
+        self.running -= 1
+        bucket = self._bucket(hold.key)
+        if bucket is not None:
+            bucket.refill(self.clock())
+            bucket.level = min(bucket.size, bucket.level + max(0, hold.tokens - used))
+        if self._waiters:
+            self._pump()
+
+    def drain(self) -> None:
+        """Stop admitting: every waiter gets 503 now, every later request too."""
+        self.draining = True
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.future.done():
+                waiter.future.set_exception(Unavailable("The server is shutting down and takes no new requests."))

@@ -1,0 +1,52 @@
+"""/metrics in the Prometheus text format (prometheus_client, one registry per app)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+STEP = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12)
+BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class Metrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("logprobe_requests", "HTTP requests answered, by path and status",
+                                ["path", "status"], registry=r)
+        self.prompt_tokens = Counter("logprobe_prompt_tokens", "Prompt tokens of answered requests (x n)",
+                                     registry=r)
+        self.completion_tokens = Counter("logprobe_completion_tokens", "Tokens generated", registry=r)
+        self.request_seconds = Histogram("logprobe_request_duration_seconds",
+                                         "Time from request to the end of its answer", ["path"],
+                                         buckets=LATENCY, registry=r)
+        self.queue_seconds = Histogram("logprobe_queue_time_seconds", "Time admitted requests waited for their hold",
+                                       buckets=LATENCY, registry=r)
+        self.step_seconds = Histogram("logprobe_engine_step_seconds", "Duration of one engine step",
+                                      buckets=STEP, registry=r)
+        self.batch_rows = Histogram("logprobe_engine_batch_rows", "Sequences (rows) in one engine step",
+                                    buckets=BATCH, registry=r)
+        self.queue_depth = Gauge("logprobe_queue_depth", "Requests waiting for their hold", registry=r)
+        self.running = Gauge("logprobe_requests_running", "Admitted requests not yet finished", registry=r)
+        self.tokens_held = Gauge("logprobe_tokens_held", "Tokens held by admitted requests", registry=r)
+        self.capacity = Gauge("logprobe_tokens_capacity", "Tokens the server holds at most (max_tokens_in_flight)",
+                              registry=r)
+        self.engine_in_flight = Gauge("logprobe_engine_sequence_groups", "Sequence groups in the engine",
+                                      registry=r)
+
+    def watch(self, admission, engine_ref) -> None:
+        """Gauges read live from the admission and the engine at scrape time."""
+        self.queue_depth.set_function(lambda: admission.queue_depth)
+        self.running.set_function(lambda: admission.running)
+        self.tokens_held.set_function(lambda: admission.held)
+        self.capacity.set_function(lambda: admission.capacity)
+        self.engine_in_flight.set_function(lambda: (engine_ref().num_in_flight if engine_ref() else 0))
+
+    def observe_step(self, seconds: float, rows: int) -> None:
+        """Called by the engine thread after each step (prometheus_client is thread-safe)."""
+        self.step_seconds.observe(seconds)
+        self.batch_rows.observe(rows)
+
+    def exposition(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
