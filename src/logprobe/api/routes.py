@@ -48,7 +48,7 @@ async def read_json(request: Request) -> dict:
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        if "recursion" in str(exc):
+        if "depth" in str(exc) or "recursion" in str(exc):
             raise too_deep from None
         raise InvalidRequest("We could not parse the JSON body of your request: it is not valid JSON. "
                              "Send a JSON object with Content-Type: application/json.") from None

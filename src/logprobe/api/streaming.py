@@ -97,6 +97,12 @@ def attach_releasers(groups: list[SequenceGroup], k: int, loop: asyncio.Abstract
         group.on_step = on_step
 
 
+def _consume(fut: asyncio.Future) -> None:
+    """Mark a cancelled gather's outcome as seen (asyncio logs it otherwise)."""
+    if not fut.cancelled():
+        fut.exception()
+
+
 async def stream_groups(engine, groups: list[SequenceGroup], k: int, request_id: str,
                         format_deltas: Callable[[list[Delta]], list[bytes]],
                         final_chunks: Callable[[], list[bytes]], timeout: float | None = None) -> AsyncIterator[bytes]:
@@ -144,4 +150,5 @@ async def stream_groups(engine, groups: list[SequenceGroup], k: int, request_id:
                 group.is_aborted = True
         if not done.done():
             done.cancel()
+            done.add_done_callback(_consume)
     yield DONE

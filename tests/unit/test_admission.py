@@ -1,0 +1,173 @@
+"""The hold (admission.py) on its own: capacity, per-key budgets, the bounded queue, time-outs,
+cancellation and draining, with a fake clock where time matters."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from logprobe.api.admission import Admission, RateLimited, duration
+from logprobe.api.errors import InvalidRequest, Unavailable
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_capacity_queue_and_release_order():
+    async def main():
+        adm = Admission(capacity=100)
+        a = await adm.acquire("k", 60)
+        assert (adm.held, adm.running) == (60, 1)
+        waiting_b = asyncio.ensure_future(adm.acquire("k", 50))  # does not fit: waits
+        waiting_c = asyncio.ensure_future(adm.acquire("k", 10))  # fits, but FIFO behind b (capacity-blocked)
+        await asyncio.sleep(0.01)
+        assert adm.queue_depth == 2 and not waiting_b.done() and not waiting_c.done()
+        adm.release(a, used=60)
+        b, c = await asyncio.gather(waiting_b, waiting_c)
+        assert (adm.held, adm.running, adm.queue_depth) == (60, 2, 0)
+        adm.release(b, used=0)
+        adm.release(c, used=0)
+        adm.release(c, used=0)  # idempotent
+        assert (adm.held, adm.running) == (0, 0)
+
+    run(main())
+
+
+def test_request_larger_than_capacity_is_a_400():
+    async def main():
+        adm = Admission(capacity=100)
+        with pytest.raises(InvalidRequest) as e:
+            await adm.acquire("k", 101)
+        assert "max_tokens_in_flight" in e.value.message and e.value.param == "max_tokens"
+        assert adm.held == 0
+
+    run(main())
+
+
+def test_full_queue_gives_429_with_retry_after():
+    async def main():
+        adm = Admission(capacity=10, max_queue=2)
+        first = await adm.acquire("k", 10)
+        waiters = [asyncio.ensure_future(adm.acquire("k", 5)) for _ in range(2)]
+        await asyncio.sleep(0)
+        with pytest.raises(RateLimited) as e:
+            await adm.acquire("k", 5)
+        assert e.value.status == 429 and e.value.code == "rate_limit_exceeded"
+        assert int(e.value.headers["retry-after"]) >= 1 and "max_queue" in e.value.message
+        adm.release(first, 10)
+        for h in await asyncio.gather(*waiters):
+            adm.release(h, 5)
+        assert (adm.held, adm.running, adm.queue_depth) == (0, 0, 0)
+
+    run(main())
+
+
+def test_queue_timeout_gives_429_and_leaves_nothing_held():
+    async def main():
+        adm = Admission(capacity=10, queue_timeout=0.05)
+        first = await adm.acquire("k", 10)
+        with pytest.raises(RateLimited) as e:
+            await adm.acquire("k", 1)
+        assert "queue_timeout" in e.value.message
+        assert adm.queue_depth == 0
+        adm.release(first, 10)
+        assert (adm.held, adm.running) == (0, 0)
+
+    run(main())
+
+
+def test_cancelled_waiter_leaves_the_queue_and_unblocks_those_behind():
+    async def main():
+        adm = Admission(capacity=10)
+        first = await adm.acquire("k", 6)
+        big = asyncio.ensure_future(adm.acquire("k", 10))  # blocks the queue
+        small = asyncio.ensure_future(adm.acquire("k", 4))
+        await asyncio.sleep(0.01)
+        assert not small.done()
+        big.cancel()  # its client went away
+        hold = await asyncio.wait_for(small, 1)
+        assert adm.held == 10 and adm.queue_depth == 0
+        adm.release(first, 6)
+        adm.release(hold, 4)
+        assert (adm.held, adm.running) == (0, 0)
+
+    run(main())
+
+
+def test_key_budget_refills_and_refunds_unused_tokens():
+    async def main():
+        clock = Clock()
+        adm = Admission(capacity=10_000, tokens_per_minute=600, queue_timeout=30, clock=clock)
+        h = await adm.acquire("a", 500)
+        assert h.headers["x-ratelimit-remaining-tokens"] == "100"
+        assert h.headers["x-ratelimit-limit-tokens"] == "600"
+        assert h.headers["x-ratelimit-reset-tokens"] == "50s"  # 500 tokens at 10 a second
+        adm.release(h, used=200)  # 300 unused go back to the key
+        h2 = await adm.acquire("a", 400)
+        assert h2.headers["x-ratelimit-remaining-tokens"] == "0"
+        # another key has its own budget
+        other = await adm.acquire("b", 600)
+        adm.release(other, 600)
+        # 'a' needs 600 - 0 = 600 more: 60 s > queue_timeout -> 429 at once, with the wait as Retry-After
+        with pytest.raises(RateLimited) as e:
+            await adm.acquire("a", 600)
+        assert e.value.headers["retry-after"] == "60"
+        # more than the whole budget can never run
+        with pytest.raises(RateLimited) as e:
+            await adm.acquire("a", 601)
+        assert "tokens_per_minute" in e.value.message
+        clock.t += 10  # refills 100
+        h3 = await adm.acquire("a", 100)
+        adm.release(h2, 400)
+        adm.release(h3, 100)
+        assert (adm.held, adm.running) == (0, 0)
+
+    run(main())
+
+
+def test_budget_waiter_is_woken_by_the_refill_and_does_not_block_other_keys():
+    async def main():
+        adm = Admission(capacity=100_000, tokens_per_minute=60_000, queue_timeout=5)  # real clock: 1000 tok/s
+        h = await adm.acquire("a", 60_000)
+        waiting = asyncio.ensure_future(adm.acquire("a", 50))  # 50 ms of refill
+        other = await asyncio.wait_for(adm.acquire("b", 10), 0.01)  # not behind 'a'
+        got = await asyncio.wait_for(waiting, 2)
+        assert got.queue_seconds > 0.03
+        for x in (h, other, got):
+            adm.release(x, x.tokens)
+        assert (adm.held, adm.running) == (0, 0)
+
+    run(main())
+
+
+def test_drain_refuses_waiters_and_new_requests():
+    async def main():
+        adm = Admission(capacity=10)
+        h = await adm.acquire("k", 10)
+        waiting = asyncio.ensure_future(adm.acquire("k", 1))
+        await asyncio.sleep(0)
+        adm.drain()
+        with pytest.raises(Unavailable):
+            await waiting
+        with pytest.raises(Unavailable):
+            await adm.acquire("k", 1)
+        adm.release(h, 10)
+        assert (adm.held, adm.running, adm.queue_depth) == (0, 0, 0)
+
+    run(main())
+
+
+def test_duration_format():
+    assert duration(0.25) == "250ms"
+    assert duration(2.5) == "2.5s"
+    assert duration(90) == "1m30s"
