@@ -221,3 +221,17 @@ def test_metrics_exposition(tiny_engine):
     assert value("logprobe_engine_step_seconds_count") >= 4  # one prefill and three decode steps at least
     assert value("logprobe_engine_batch_rows_count") >= 4
     assert value("logprobe_tokens_capacity") == Limits().max_tokens_in_flight
+
+
+def test_engine_outlives_a_requester_whose_event_loop_closed(tiny_engine):
+    """A client (here a whole TestClient and its event loop) that vanishes mid-stream must not take the
+    engine's step loop with it: the next request, from another loop, is served."""
+    body = {"model": "tiny", "prompt": [5], "max_tokens": 200, "temperature": 1.0, "seed": 2, "stream": True}
+    for _ in range(3):
+        with make_client(tiny_engine) as c:
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                next(line for line in r.iter_lines() if line.startswith("data: "))
+    with make_client(tiny_engine, admission=AdmissionSettings(request_timeout=60)) as c:
+        r = c.post("/v1/completions", json=BODY)
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"][0]["logprobs"]["tokens"]) == 4

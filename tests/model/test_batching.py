@@ -65,7 +65,7 @@ def test_decode_steps_are_shared(tiny_engine):
 
 def test_long_prompt_is_chunked_beside_decoding(tiny_engine, monkeypatch):
     monkeypatch.setattr(tiny_engine.runner, "PREFILL_CHUNK", 16)
-    short = make(tiny_engine, [5, 6, 7], max_tokens=30, temperature=0)
+    short = make(tiny_engine, [5, 6, 7], max_tokens=200, temperature=0)
     long = make(tiny_engine, list(range(100, 200)), max_tokens=2, temperature=0, echo=True, logprobs=0)
     seen = []
     short.on_step = lambda g: seen.append(("short", len(g.sequences[0].token_ids)))
@@ -123,3 +123,28 @@ def test_mixed_concurrent_requests_equal_alone(client):
                     assert pa.keys() == pb.keys()
                     np.testing.assert_allclose([v["logprob"] for v in pa.values()],
                                                [v["logprob"] for v in pb.values()], atol=TOL)
+
+
+def test_short_prompts_share_one_prefill_pass(tiny_engine, reference, monkeypatch):
+    """Prompts that arrive together are prefilled in one packed forward pass (block-diagonal mask), with
+    the same numbers as the float64 reference, including a prompt long enough to be chunked."""
+    sizes = []
+    real = tiny_engine.runner.prefill_chunks
+
+    def spy(chunks):
+        sizes.append(len(chunks))
+        return real(chunks)
+
+    monkeypatch.setattr(tiny_engine.runner, "prefill_chunks", spy)
+    prompts = [[5 + i] * (3 + i) for i in range(6)]
+    groups = [make(tiny_engine, p, max_tokens=3, temperature=0, logprobs=2, prompt_logprobs=2) for p in prompts]
+    run(tiny_engine, groups)
+    assert max(sizes) >= 2
+    for g in groups:
+        ref = reference.logprobs(g.prompt_ids + g.sequences[0].token_ids).numpy()
+        p = len(g.prompt_ids)
+        np.testing.assert_allclose(g.prompt_columns.logprobs[1:], [ref[i - 1][g.prompt_ids[i]] for i in range(1, p)],
+                                   atol=TOL)
+        want = [ref[p - 1 + i][t] for i, t in enumerate(g.sequences[0].token_ids)]
+        np.testing.assert_allclose(g.sequences[0].logprobs, want, atol=TOL)
+        assert g.sequences[0].token_ids[0] == int(np.argmax(ref[p - 1]))

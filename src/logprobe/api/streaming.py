@@ -91,7 +91,7 @@ def attach_releasers(groups: list[SequenceGroup], k: int, loop: asyncio.Abstract
 
         def on_step(group, releasers=releasers, g_index=g_index):
             deltas = [d for d in (r.release(g_index) for r in releasers) if d is not None]
-            if deltas:
+            if deltas and not loop.is_closed():
                 loop.call_soon_threadsafe(queue.put_nowait, deltas)
 
         group.on_step = on_step

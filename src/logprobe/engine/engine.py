@@ -84,7 +84,7 @@ class Engine:
         self.table = TokenTable.build(tokenizer, self.info.vocab_size)
         use_fast = fast_runner.supports(model) if fast is None else fast
         self.runner = fast_runner.FastRunner(model) if use_fast else ModelRunner(model)
-        self.scheduler = Scheduler()
+        self.scheduler = Scheduler(remaining=lambda g: g.num_prompt_tokens - self.runner.prefill_progress(g))
         self._inbox: queue.SimpleQueue[SequenceGroup | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -176,8 +176,7 @@ class Engine:
             self.scheduler.dropped.clear()
             if plan is None:
                 continue
-            rows = (len(plan.score) + (plan.prefill is not None)
-                    + sum(len(g.active_rows) for g in plan.decode))
+            rows = len(plan.score) + len(plan.prefill) + sum(len(g.active_rows) for g in plan.decode)
             t0 = time.perf_counter()
             try:
                 self.step(plan)
@@ -201,34 +200,48 @@ class Engine:
         except queue.Empty:
             return
 
+    PACKED_PREFILL_TOKENS = 2048  # prompt tokens of several prompts prefilled in one pass, when none decode
+
     def step(self, plan) -> None:
-        """One engine step: a batch of prompt-only groups, or one prefill chunk next to one decode
-        step for every running group."""
+        """One engine step: one decode step for every running group, the next chunk of the prompts being
+        prefilled (several short prompts share one forward pass), and a batch of prompt-only groups."""
         self.num_steps += 1
-        if plan.score:
-            self.runner.prefill_batch(plan.score)
-            for group in plan.score:
-                for seq in group.sequences:
-                    seq.finish_reason = FinishReason.LENGTH
-                self._after_step(group)
-            return
         # Decode first: the batch is then exactly the running groups' rows (a group whose prompt
         # finishes in this step joins the batch in the next one).
         if plan.decode:
             for group, lsm in zip(plan.decode, self.runner.decode_groups(plan.decode)):
                 self._postprocess(group, lsm)
                 self._after_step(group)
-        if plan.prefill is not None:
-            self._prefill(plan.prefill, budget=self.runner_chunk if plan.decode else 1 << 30)
+        if plan.prefill:
+            self._prefill(plan.prefill, decoding=bool(plan.decode))
+        if plan.score:
+            self.runner.prefill_batch(plan.score)
+            for group in plan.score:
+                for seq in group.sequences:
+                    seq.finish_reason = FinishReason.LENGTH
+                self._after_step(group)
 
     @property
     def runner_chunk(self) -> int:
         return getattr(self.runner, "PREFILL_CHUNK", 1 << 30)
 
-    def _prefill(self, group: SequenceGroup, budget: int) -> None:
-        lsm = self.runner.prefill_chunk(group, budget)
-        if lsm is None:
-            return  # more chunks to go
+    def _prefill(self, groups: list[SequenceGroup], decoding: bool) -> None:
+        """The next chunk of each prompt being prefilled, in order, within this step's token budget: a
+        prefill chunk next to decoding groups (so a long prompt does not stall them), several whole
+        short prompts when nothing decodes, or one prompt whole when it is alone."""
+        budget = self.runner_chunk if decoding else (1 << 30 if len(groups) == 1 else self.PACKED_PREFILL_TOKENS)
+        chunks = []
+        for group in groups:
+            if budget <= 0:
+                break
+            take = max(1, min(group.num_prompt_tokens - self.runner.prefill_progress(group), budget))
+            chunks.append((group, take))
+            budget -= take
+        for (group, _), lsm in zip(chunks, self.runner.prefill_chunks(chunks)):
+            if lsm is not None:
+                self._prefilled(group, lsm)
+
+    def _prefilled(self, group: SequenceGroup, lsm: torch.Tensor) -> None:
         if group.params.max_tokens == 0:
             for seq in group.sequences:
                 seq.finish_reason = FinishReason.LENGTH
@@ -246,7 +259,11 @@ class Engine:
             if group.params.residual_layers:
                 self._capture_residual(group)
         if group.on_step is not None:
-            group.on_step(group)
+            try:
+                group.on_step(group)
+            except Exception:  # the front's callback failed (e.g. its event loop is gone): not our step's fault
+                log.exception("on_step callback failed for %s", group.request_id)
+                group.is_aborted = True
         if group.is_finished:
             self._finish(group)
 
@@ -318,11 +335,16 @@ class Engine:
 
     def _finish(self, group: SequenceGroup) -> None:
         if group.on_finish is not None:
-            group.on_finish(group)
+            try:
+                group.on_finish(group)
+            except Exception:  # never let a request's callback stop the loop that serves the others
+                log.exception("on_finish callback failed for %s", group.request_id)
 
 
 def _resolver(loop: asyncio.AbstractEventLoop, fut: asyncio.Future):
     def resolve(group: SequenceGroup) -> None:
+        if loop.is_closed():
+            return  # its requester is gone with its event loop
         def settle():
             if fut.done():
                 return

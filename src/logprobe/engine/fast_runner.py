@@ -142,6 +142,66 @@ class FastRunner(ModelRunner):
             return None
         return self.logprobs_of(hidden[-1:])
 
+    def prefill_progress(self, group: SequenceGroup) -> int:
+        return group.cache.done if isinstance(group.cache, PrefillState) else 0
+
+    @torch.inference_mode()
+    def prefill_chunks(self, chunks: list[tuple[SequenceGroup, int]]) -> list[torch.Tensor | None]:
+        """The next chunk of several prompts in one forward pass: their tokens packed into one sequence,
+        each attending only to its own prompt (a block-diagonal causal mask over the keys of each
+        prompt so far). One read of the weights for all of them instead of one per prompt."""
+        if len(chunks) == 1:
+            return [self.prefill_chunk(*chunks[0])]
+        parts = []  # (group, state, start, stop)
+        for group, budget in chunks:
+            if group.cache is None:
+                group.cache = PrefillState(self, group)
+                if group.params.needs_prompt_logits:
+                    group.prompt_columns = self.new_prompt_columns(
+                        group.num_prompt_tokens, group.params.num_prompt_top, group.params.prompt_logprobs == -1)
+            state = group.cache
+            start = state.done
+            parts.append((group, state, start, min(group.num_prompt_tokens, start + max(1, budget))))
+        ids = torch.cat([state.ids[start:stop] for _, state, start, stop in parts])[None]
+        positions = torch.cat([torch.arange(start, stop, device=self.device) for _, _, start, stop in parts])[None]
+        num_queries, num_keys = ids.shape[1], sum(stop for *_, stop in parts)
+        mask = torch.zeros(num_queries, num_keys, dtype=torch.bool, device=self.device)
+        q0 = k0 = 0
+        for _, _, start, stop in parts:
+            n = stop - start
+            mask[q0:q0 + n, k0:k0 + stop] = torch.ones(n, stop, dtype=torch.bool, device=self.device).tril(start)
+            q0, k0 = q0 + n, k0 + stop
+
+        def attend(layer, q, k, v):
+            q0 = 0
+            for _, state, start, stop in parts:
+                state.keys[layer][:, start:stop] = k[0, :, q0:q0 + stop - start]
+                state.values[layer][:, start:stop] = v[0, :, q0:q0 + stop - start]
+                q0 += stop - start
+            keys = torch.cat([state.keys[layer][:, :stop] for _, state, _, stop in parts], dim=1)[None]
+            values = torch.cat([state.values[layer][:, :stop] for _, state, _, stop in parts], dim=1)[None]
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale,
+                                                  enable_gqa=self.kv_heads != self.num_heads)
+
+        hidden = self._run(ids, positions, attend)[0]  # [sum of chunks, D]
+        out, q0 = [], 0
+        finished = []
+        for group, state, start, stop in parts:
+            h = hidden[q0:q0 + stop - start]
+            q0 += stop - start
+            if group.prompt_columns is not None:
+                self.fill_prompt_columns(group.prompt_columns, h, state.ids, start)
+            state.done = stop
+            if stop < group.num_prompt_tokens:
+                out.append(None)
+            else:
+                out.append(len(finished))
+                finished.append(h[-1])
+        if finished:
+            lsm = self.logprobs_of(torch.stack(finished))
+            out = [None if o is None else lsm[o:o + 1] for o in out]
+        return out
+
     def expand(self, group: SequenceGroup, rows: int) -> None:
         """The prompt is done: give each choice a slot holding the prompt's keys and values."""
         state = group.cache

@@ -35,7 +35,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures below 1e-5 are greedy, as in vLLM (dividing by them overflows)."""
+        return self.temperature < 1e-5
 
     @property
     def num_prompt_top(self) -> int:

@@ -168,6 +168,14 @@ class ModelRunner:
         prompt is done, else None. This runner does the whole prompt at once."""
         return self.prefill(group)
 
+    def prefill_chunks(self, chunks: list[tuple[SequenceGroup, int]]) -> list[torch.Tensor | None]:
+        """`prefill_chunk` for each (group, budget); a runner may run them in one pass."""
+        return [self.prefill_chunk(group, budget) for group, budget in chunks]
+
+    def prefill_progress(self, group: SequenceGroup) -> int:
+        """Prompt tokens of the group already prefilled (this runner prefills a prompt in one go)."""
+        return 0
+
     def decode_groups(self, groups: list[SequenceGroup]) -> list[torch.Tensor]:
         """One decode step for every active row of these groups: [rows, V] per group."""
         return [self.decode(g, [g.sequences[i].token_ids[-1] for i in g.active_rows]) for g in groups]

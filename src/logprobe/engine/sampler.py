@@ -12,7 +12,7 @@ def sample_row(logprobs: torch.Tensor, params: SamplingParams, generator: torch.
     """Pick one token from a row of raw log probabilities ([V], float32)."""
     if params.is_greedy:
         return int(torch.argmax(logprobs))
-    scores = logprobs / params.temperature
+    scores = (logprobs - logprobs.max()) / params.temperature  # the likeliest token's score is 0, never -inf
     if params.top_k > 0 and params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))

@@ -18,21 +18,25 @@ from .request import SequenceGroup
 @dataclass
 class Plan:
     score: list[SequenceGroup] = field(default_factory=list)
-    prefill: SequenceGroup | None = None
+    prefill: list[SequenceGroup] = field(default_factory=list)
     decode: list[SequenceGroup] = field(default_factory=list)
 
     @property
     def groups(self) -> list[SequenceGroup]:
-        return self.score + ([self.prefill] if self.prefill else []) + self.decode
+        return self.score + self.prefill + self.decode
 
 
 class Scheduler:
-    def __init__(self, max_running: int = 64, score_batch_tokens: int = 4096, max_score_batch: int = 64):
-        self.max_running = max_running  # groups decoding at once
+    def __init__(self, max_running: int = 64, score_batch_tokens: int = 4096, max_score_batch: int = 64,
+                 prefill_tokens: int = 2048, max_prefilling: int = 32, remaining=None):
+        self.max_running = max_running  # groups decoding (or prefilling) at once
         self.score_batch_tokens = score_batch_tokens  # padded tokens in one batched prompt-only pass
         self.max_score_batch = max_score_batch
+        self.prefill_tokens = prefill_tokens  # prompt tokens still to prefill, over the groups admitted to it
+        self.max_prefilling = max_prefilling
+        self.remaining = remaining or (lambda group: group.num_prompt_tokens)  # prompt tokens not yet prefilled
         self.waiting: deque[SequenceGroup] = deque()
-        self.prefilling: SequenceGroup | None = None
+        self.prefilling: list[SequenceGroup] = []
         self.running: list[SequenceGroup] = []
         self.dropped: list[SequenceGroup] = []  # aborted groups whose resources the engine must free
 
@@ -45,30 +49,33 @@ class Scheduler:
 
     @property
     def num_in_flight(self) -> int:
-        return len(self.waiting) + len(self.running) + (self.prefilling is not None)
+        return len(self.waiting) + len(self.running) + len(self.prefilling)
 
     def _drop_aborted(self) -> None:
-        for group in [g for g in self.waiting if g.is_aborted]:
-            self.waiting.remove(group)
-            self.dropped.append(group)
-        for group in [g for g in self.running if g.is_aborted]:
-            self.running.remove(group)
-            self.dropped.append(group)
-        if self.prefilling is not None and self.prefilling.is_aborted:
-            self.dropped.append(self.prefilling)
-            self.prefilling = None
+        for queue in (self.waiting, self.running, self.prefilling):
+            for group in [g for g in queue if g.is_aborted]:
+                queue.remove(group)
+                self.dropped.append(group)
 
     def schedule(self) -> Plan | None:
-        """The next step's work, or None when idle. Aborted groups are dropped first, before they
-        cost a forward pass."""
+        """The next step's work, or None when idle: a batch of prompt-only groups (when one is first in
+        line), the prompts being prefilled (new ones join while their tokens fit `prefill_tokens`), and
+        one decode step of every running group. Aborted groups are dropped first, before they cost a
+        forward pass."""
         self._drop_aborted()
-        if self.prefilling is None and self.waiting and self.waiting[0].params.max_tokens == 0:
-            return Plan(score=self._take_prompt_only())
-        if self.prefilling is None and self.waiting and len(self.running) < self.max_running:
-            self.prefilling = self.waiting.popleft()
-        if self.prefilling is None and not self.running:
+        score = []
+        if self.waiting and self.waiting[0].params.max_tokens == 0:
+            score = self._take_prompt_only()
+        pending = sum(self.remaining(g) for g in self.prefilling)
+        while (self.waiting and self.waiting[0].params.max_tokens > 0 and len(self.prefilling) < self.max_prefilling
+               and len(self.running) + len(self.prefilling) < self.max_running
+               and (not self.prefilling or pending < self.prefill_tokens)):
+            group = self.waiting.popleft()
+            pending += self.remaining(group)
+            self.prefilling.append(group)
+        if not (score or self.prefilling or self.running):
             return None
-        return Plan(prefill=self.prefilling, decode=list(self.running))
+        return Plan(score=score, prefill=list(self.prefilling), decode=list(self.running))
 
     def _take_prompt_only(self) -> list[SequenceGroup]:
         """Consecutive waiting groups that only read their prompt, as many as fit one padded batch."""
@@ -84,12 +91,13 @@ class Scheduler:
 
     def prefilled(self, group: SequenceGroup) -> None:
         """The group's prompt is done; it decodes from the next step on (unless it already finished)."""
-        self.prefilling = None
+        if group in self.prefilling:
+            self.prefilling.remove(group)
         if not group.is_finished:
             self.running.append(group)
 
     def finished(self, group: SequenceGroup) -> None:
         if group in self.running:
             self.running.remove(group)
-        if self.prefilling is group:
-            self.prefilling = None
+        if group in self.prefilling:
+            self.prefilling.remove(group)
