@@ -60,7 +60,8 @@ def test_residual_vectors_cap_at_its_limit(tiny_engine):
                                    {"layers": [0], "other": 1}, "all", [99], [-4]])
 def test_residual_stream_shape_is_checked(client, value):
     code, err = status(client, {"prompt": "x", "output_residual_stream": value})
-    assert code == 400 and err["param"] in ("output_residual_stream", "other")
+    assert code == 400 and err["param"] in ("output_residual_stream", "output_residual_stream.other",
+                                            "output_residual_stream.dtype", "output_residual_stream.encoding")
 
 
 def test_prompt_logprob_positions_cap(client):

@@ -17,7 +17,7 @@ from ..config import Limits
 from ..engine.request import SamplingParams, SequenceGroup
 from ..output.logprobs import TokenNamer, chat_logprobs_content
 from . import validation as v
-from .common import (ResidualRequest, check_request_caps, parse_shared, prompt_logprobs_parts,
+from .common import (ResidualRequest, check_request_caps, check_text_length, parse_shared, prompt_logprobs_parts,
                      residual_layers, residual_of)
 from .errors import InvalidRequest
 from .streaming import sse
@@ -55,6 +55,7 @@ class ChatRequest:
     return_tokens_as_token_ids: bool
     vocab_encoding: str | None
     residual: ResidualRequest | None
+    max_tokens_field: str = "max_completion_tokens"  # the name the client used
 
 
 def parse_messages(value) -> list[dict]:
@@ -91,8 +92,10 @@ def parse_chat(body: dict, limits: Limits) -> ChatRequest:
     model = v.get_str(body, "model", required=True)
     messages = parse_messages(body.get("messages"))
     max_tokens = v.get_int(body, "max_completion_tokens", None, ge=0)
+    max_tokens_field = "max_completion_tokens"
     if max_tokens is None:
         max_tokens = v.get_int(body, "max_tokens", None, ge=0)
+        max_tokens_field = "max_tokens"
     logprobs = v.get_bool(body, "logprobs", False)
     top = v.get_int(body, "top_logprobs", None, ge=0, le=limits.max_logprobs)
     if top is not None and not logprobs:
@@ -103,7 +106,7 @@ def parse_chat(body: dict, limits: Limits) -> ChatRequest:
                             **shared.sampling)
     return ChatRequest(model, messages, params, max_tokens, params.logprobs, shared.stream,
                        shared.include_usage, shared.return_tokens_as_token_ids, shared.vocab_encoding,
-                       shared.residual)
+                       shared.residual, max_tokens_field)
 
 
 def render_prompt(engine, req: ChatRequest) -> list[int]:
@@ -113,6 +116,7 @@ def render_prompt(engine, req: ChatRequest) -> list[int]:
         raise InvalidRequest("This model has no chat template, so /v1/chat/completions cannot build a prompt. "
                              "Use /v1/completions with your own prompt, or start the server with "
                              "--chat-template FILE (a Jinja template).", "messages")
+    check_text_length(engine, [m.get("content") for m in req.messages], "messages")
     try:
         text = tok.apply_chat_template(req.messages, tokenize=False, add_generation_prompt=True)
     except Exception as exc:  # a template that raises on these messages (e.g. a role it forbids)
@@ -127,7 +131,7 @@ def render_prompt(engine, req: ChatRequest) -> list[int]:
 
 def check_caps(engine, req: ChatRequest, ids: list[int], limits: Limits) -> None:
     check_request_caps(engine, [ids], req.params, req.residual, limits, prompt_param="messages",
-                       max_tokens_param="max_completion_tokens" if req.max_tokens is not None else "messages")
+                       max_tokens_param=req.max_tokens_field if req.max_tokens is not None else "messages")
 
 
 def build_group(engine, req: ChatRequest, ids: list[int], request_id: str) -> SequenceGroup:

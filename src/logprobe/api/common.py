@@ -3,6 +3,7 @@ response body with streamed parts (the prompt_logprobs lists)."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import secrets
 from collections.abc import Iterator
@@ -18,6 +19,19 @@ from ..output.prompt_json import iter_dense
 from ..output.residual import residual_payload
 from . import validation as v
 from .errors import ContextLengthExceeded, InvalidRequest
+
+
+@contextlib.contextmanager
+def inside(name: str):
+    """Errors about a key inside the object field `name` name it as `name.key`."""
+    try:
+        yield
+    except InvalidRequest as exc:
+        if exc.param and exc.param != name and not exc.param.startswith(name + "."):
+            exc.param = f"{name}.{exc.param}"
+        elif not exc.param:
+            exc.param = name
+        raise
 
 
 @dataclass
@@ -36,18 +50,24 @@ def parse_residual(value) -> ResidualRequest | None:
         value = {"layers": value}
     if not isinstance(value, dict):
         raise v.type_error(name, "an array of layer indices or an object")
-    v.check_known_fields(value, {"layers", "dtype", "encoding"}, {})
+    with inside(name):
+        v.check_known_fields(value, {"layers", "dtype", "encoding"}, {})
     layers = value.get("layers")
     if not isinstance(layers, list) or not layers or not all(
             isinstance(x, int) and not isinstance(x, bool) for x in layers):
         raise InvalidRequest(f"Invalid value for '{name}': 'layers' must be a non-empty array of layer "
                              "indices.", name)
-    dtype = value.get("dtype") or "float32"
-    if dtype not in ("float32", "float16", "bfloat16"):
-        raise InvalidRequest(f"Invalid value for '{name}': 'dtype' must be float32, float16 or bfloat16.", name)
-    encoding = value.get("encoding") or "base64"
-    if encoding not in ("base64", "json"):
-        raise InvalidRequest(f"Invalid value for '{name}': 'encoding' must be base64 or json.", name)
+    dtype = value.get("dtype", "float32")
+    if dtype is None:
+        dtype = "float32"
+    if not isinstance(dtype, str) or dtype not in ("float32", "float16", "bfloat16"):
+        raise InvalidRequest(f"Invalid value for '{name}': 'dtype' must be float32, float16 or bfloat16.",
+                             name + ".dtype")
+    encoding = value.get("encoding", "base64")
+    if encoding is None:
+        encoding = "base64"
+    if not isinstance(encoding, str) or encoding not in ("base64", "json"):
+        raise InvalidRequest(f"Invalid value for '{name}': 'encoding' must be base64 or json.", name + ".encoding")
     return ResidualRequest(list(layers), dtype, encoding)
 
 
@@ -83,8 +103,10 @@ def parse_shared(body: dict, limits: Limits) -> SharedFields:
             raise InvalidRequest("'stream_options' is only allowed with 'stream': true.", "stream_options")
         if not isinstance(options, dict):
             raise v.type_error("stream_options", "an object")
-        v.check_known_fields(options, {"include_usage", "continuous_usage_stats"}, {})
-        include_usage = v.get_bool(options, "include_usage", False)
+        with inside("stream_options"):
+            v.check_known_fields(options, {"include_usage", "continuous_usage_stats"}, {})
+            include_usage = v.get_bool(options, "include_usage", False)
+            v.get_bool(options, "continuous_usage_stats", False)
     vocab_encoding = v.get_str(body, "vocab_encoding")
     if vocab_encoding is not None:
         if vocab_encoding not in ("float32", "float16"):
@@ -103,9 +125,22 @@ def parse_shared(body: dict, limits: Limits) -> SharedFields:
     )
 
 
+def check_text_length(engine, texts, param: str) -> None:
+    """Refuse, before tokenizing, texts that cannot fit the context whatever their tokens: no token
+    covers more than the longest token's bytes (+1 for a tokenizer's added space), so a text of more
+    than that x context bytes is over. Tokenizing a 10 MB prompt only to refuse it would take seconds."""
+    ctx = engine.info.context_length
+    per_token = max(len(b) for b in engine.table.token_bytes) + 1
+    size = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts if isinstance(t, str))
+    if size > ctx * per_token:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {ctx} tokens. However, your text is {size} bytes long, "
+            f"which is more than {size // per_token} tokens. Please reduce the {param}.", param)
+
+
 def check_request_caps(engine, prompts: list[list[int]], params: SamplingParams,
                        residual: ResidualRequest | None, limits: Limits, prompt_param: str = "prompt",
-                       max_tokens_param: str = "max_tokens") -> None:
+                       max_tokens_param: str = "max_tokens", positions_param: str | None = None) -> None:
     """Every cap of API.md section 8 that depends on the tokenized prompts, and the context length."""
     ctx = engine.info.context_length
     for ids in prompts:
@@ -143,7 +178,7 @@ def check_request_caps(engine, prompts: list[list[int]], params: SamplingParams,
                 "Ask for fewer layers, positions or choices.", "output_residual_stream")
     if params.needs_prompt_logits:
         if positions > limits.max_prompt_logprob_positions:
-            param = "prompt_logprobs" if params.prompt_logprobs is not None else "logprobs"
+            param = positions_param or ("prompt_logprobs" if params.prompt_logprobs is not None else "logprobs")
             raise InvalidRequest(
                 f"Too many prompt log-probability positions: prompt tokens x n, summed over the prompts, "
                 f"is {positions}, over this server's cap of {limits.max_prompt_logprob_positions} "

@@ -17,7 +17,7 @@ from ..engine.request import SamplingParams, SequenceGroup
 from ..engine.tokenizer import TextAssembler
 from ..output.logprobs import TokenNamer, legacy_logprobs
 from . import validation as v
-from .common import (Parts, ResidualRequest, check_request_caps, parse_shared, prompt_logprobs_parts,
+from .common import (Parts, ResidualRequest, check_request_caps, check_text_length, parse_shared, prompt_logprobs_parts,
                      residual_layers, residual_of)
 from .errors import InvalidRequest
 from .streaming import sse
@@ -109,6 +109,8 @@ def parse_completion(body: dict, limits: Limits) -> CompletionRequest:
 def tokenize_prompts(engine, req: CompletionRequest) -> list[Prompt]:
     vocab = engine.info.vocab_size
     if isinstance(req.prompts[0], str):
+        for text in req.prompts:
+            check_text_length(engine, [text], "prompt")
         encoded = engine.tokenizer(req.prompts, add_special_tokens=req.add_special_tokens).input_ids
         out = [Prompt(list(ids), text) for ids, text in zip(encoded, req.prompts)]
     else:

@@ -283,7 +283,7 @@ async def tokenize(request: Request):
     engine = resolve_model(request, v.get_str(body, "model"), required=False)
     prompt = v.get_str(body, "prompt", required=True)
     add = v.get_bool(body, "add_special_tokens", True)
-    ids = engine.tokenizer(prompt, add_special_tokens=add).input_ids
+    ids = await run_in_threadpool(lambda: engine.tokenizer(prompt, add_special_tokens=add).input_ids)
     return _json({"tokens": ids, "count": len(ids), "max_model_len": engine.info.context_length})
 
 

@@ -18,7 +18,7 @@ from ..engine.request import SamplingParams, SequenceGroup
 from ..engine.tokenizer import TextAssembler
 from ..output.logprobs import TokenNamer, legacy_logprobs
 from . import validation as v
-from .common import ResidualRequest, check_request_caps, parse_residual, residual_layers, residual_of
+from .common import ResidualRequest, check_request_caps, check_text_length, parse_residual, residual_layers, residual_of
 from .completions import parse_prompt
 from .errors import InvalidRequest
 
@@ -47,6 +47,7 @@ class ScoreItem:
 def parse_score(body: dict, limits: Limits) -> ScoreRequest:
     v.check_known_fields(body, SCORE_FIELDS, {})
     model = v.get_str(body, "model", required=True)
+    v.get_str(body, "user")
     if "input" not in body:
         raise InvalidRequest("Missing required parameter: 'input'.", "input")
     try:
@@ -79,6 +80,7 @@ def tokenize_items(engine, req: ScoreRequest) -> list[ScoreItem]:
     start_id = info.bos_token_id if info.bos_token_id is not None else info.eos_token_id
     items = []
     for i, (inp, ctx) in enumerate(zip(req.inputs, req.contexts)):
+        check_text_length(engine, [inp, ctx], "context" if isinstance(ctx, str) and len(ctx) > len(inp) else "input")
         head = [start_id] if req.add_bos and start_id is not None else []
         if ctx:
             head += tok(ctx, add_special_tokens=False).input_ids
@@ -101,7 +103,7 @@ def tokenize_items(engine, req: ScoreRequest) -> list[ScoreItem]:
 def check_caps(engine, req: ScoreRequest, items: list[ScoreItem], limits: Limits) -> None:
     params = SamplingParams(max_tokens=0, echo=True, logprobs=req.top_logprobs or 0)
     check_request_caps(engine, [it.token_ids for it in items], params, req.residual, limits,
-                       prompt_param="input", max_tokens_param="input")
+                       prompt_param="input", max_tokens_param="input", positions_param="input")
 
 
 def build_groups(engine, req: ScoreRequest, items: list[ScoreItem], request_id: str) -> list[SequenceGroup]:

@@ -182,13 +182,28 @@ class Engine:
                 self.step(plan)
                 if self.step_observer is not None:
                     self.step_observer(time.perf_counter() - t0, rows)
-            except Exception as exc:  # a bug: fail these requests, keep serving the others
+            except Exception as exc:  # a bug in a shared pass: fail its requests, keep serving the others
                 log.exception("engine step failed for %s", ", ".join(g.request_id for g in plan.groups))
                 for group in plan.groups:
-                    group.error = exc
-                    self.runner.release(group)
-                    self.scheduler.finished(group)
-                    self._finish(group)
+                    if not group.is_finished and group.error is None:
+                        self._fail(group, exc)
+
+    def _fail(self, group: SequenceGroup, exc: Exception) -> None:
+        group.error = exc
+        try:
+            self.runner.release(group)
+        finally:
+            self.scheduler.finished(group)
+            self._finish(group)
+
+    def _each(self, group: SequenceGroup, work, *args) -> None:
+        """Per-request work after a shared pass (sampling, stops, callbacks): a failure fails this
+        request only."""
+        try:
+            work(group, *args)
+        except Exception as exc:
+            log.exception("request %s failed", group.request_id)
+            self._fail(group, exc)
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -210,8 +225,7 @@ class Engine:
         # finishes in this step joins the batch in the next one).
         if plan.decode:
             for group, lsm in zip(plan.decode, self.runner.decode_groups(plan.decode)):
-                self._postprocess(group, lsm)
-                self._after_step(group)
+                self._each(group, self._decoded, lsm)
         if plan.prefill:
             self._prefill(plan.prefill, decoding=bool(plan.decode))
         if plan.score:
@@ -219,7 +233,7 @@ class Engine:
             for group in plan.score:
                 for seq in group.sequences:
                     seq.finish_reason = FinishReason.LENGTH
-                self._after_step(group)
+                self._each(group, self._after_step)
 
     @property
     def runner_chunk(self) -> int:
@@ -239,7 +253,11 @@ class Engine:
             budget -= take
         for (group, _), lsm in zip(chunks, self.runner.prefill_chunks(chunks)):
             if lsm is not None:
-                self._prefilled(group, lsm)
+                self._each(group, self._prefilled, lsm)
+
+    def _decoded(self, group: SequenceGroup, lsm: torch.Tensor) -> None:
+        self._postprocess(group, lsm)
+        self._after_step(group)
 
     def _prefilled(self, group: SequenceGroup, lsm: torch.Tensor) -> None:
         if group.params.max_tokens == 0:

@@ -22,6 +22,7 @@ def sample_row(logprobs: torch.Tensor, params: SamplingParams, generator: torch.
         # Keep the smallest prefix whose mass reaches top_p (the first token is always kept).
         before = torch.cumsum(probs, dim=-1) - probs
         drop = before >= params.top_p
+        drop[0] = False  # a top_p that rounds to 0 in float32 still keeps the likeliest token
         sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
         scores = torch.empty_like(scores).scatter_(0, order, sorted_scores)
     probs = torch.softmax(scores, dim=-1)
