@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -24,14 +25,16 @@ def free_port() -> int:
 @pytest.fixture(scope="session")
 def server(smol_dir):
     port = free_port()
+    # The log goes to a file: a pipe nobody reads fills up (one access-log line per request) and blocks it.
+    log = tempfile.NamedTemporaryFile(prefix="logprobe-", suffix=".log", delete=False)
     proc = subprocess.Popen([sys.executable, "-m", "logprobe.cli", "serve", "--port", str(port),
-                             "--alias", "smol"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             "--alias", "smol"], stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 180
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError("server exited:\n" + proc.stdout.read().decode())
+            raise RuntimeError("server exited:\n" + open(log.name, errors="replace").read())
         try:
             if httpx.get(base + "/health", timeout=1).status_code == 200:
                 break

@@ -28,9 +28,11 @@ class Plan:
 
 class Scheduler:
     def __init__(self, max_running: int = 64, score_batch_tokens: int = 4096, max_score_batch: int = 64,
+                 score_batch_tokens_decoding: int = 512,
                  prefill_tokens: int = 2048, max_prefilling: int = 32, remaining=None):
         self.max_running = max_running  # groups decoding (or prefilling) at once
         self.score_batch_tokens = score_batch_tokens  # padded tokens in one batched prompt-only pass
+        self.score_batch_tokens_decoding = score_batch_tokens_decoding  # the same, while others decode
         self.max_score_batch = max_score_batch
         self.prefill_tokens = prefill_tokens  # prompt tokens still to prefill, over the groups admitted to it
         self.max_prefilling = max_prefilling
@@ -78,12 +80,14 @@ class Scheduler:
         return Plan(score=score, prefill=list(self.prefilling), decode=list(self.running))
 
     def _take_prompt_only(self) -> list[SequenceGroup]:
-        """Consecutive waiting groups that only read their prompt, as many as fit one padded batch."""
+        """Consecutive waiting groups that only read their prompt, as many as fit one padded batch (a
+        smaller one while other groups decode, so that their step stays short)."""
         batch = [self.waiting.popleft()]
         longest = batch[0].num_prompt_tokens
+        budget = self.score_batch_tokens_decoding if self.running else self.score_batch_tokens
         while self.waiting and self.waiting[0].params.max_tokens == 0 and len(batch) < self.max_score_batch:
             nxt = self.waiting[0]
-            if max(longest, nxt.num_prompt_tokens) * (len(batch) + 1) > self.score_batch_tokens:
+            if max(longest, nxt.num_prompt_tokens) * (len(batch) + 1) > budget:
                 break
             longest = max(longest, nxt.num_prompt_tokens)
             batch.append(self.waiting.popleft())
