@@ -156,6 +156,13 @@ async def send(client: httpx.AsyncClient, name: str):
     return 200, stable(path, body, r.json())
 
 
+def metric(base: str, name: str) -> float:
+    for line in httpx.get(base + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
 def rss_mb(proc) -> float:
     return psutil.Process(proc.pid).memory_info().rss / 2**20
 
@@ -237,13 +244,23 @@ def test_200_clients_mixed_load(loaded_server):
 
 def test_clients_that_leave_and_a_slow_reader(loaded_server):
     proc, base = loaded_server
-    long_body = {"model": MODEL, "prompt": "Count: one two three", "max_tokens": 400, "temperature": 0}
+    # 4 sampled choices of up to 400 tokens: many seconds of work
+    long_body = {"model": MODEL, "prompt": "Count: one two three", "max_tokens": 400, "n": 4,
+                 "temperature": 1.0, "seed": 5}
+    left_before = metric(base, 'logprobe_requests_total{path="/v1/completions",status="499"}')
     # leaves mid-request (non-streamed): the read times out and the connection closes
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(base + "/v1/completions", json=long_body, timeout=httpx.Timeout(60, read=1.0))
+    try:
+        r = httpx.post(base + "/v1/completions", json=long_body, timeout=httpx.Timeout(60, read=0.5))
+        pytest.fail(f"the long request answered within 0.5 s: {r.status_code} {r.text[:300]}")
+    except httpx.ReadTimeout:
+        pass
+    deadline = time.time() + 10
+    while metric(base, 'logprobe_requests_total{path="/v1/completions",status="499"}') == left_before:
+        assert time.time() < deadline, "the server did not see the client leave"
+        time.sleep(0.1)
     # leaves mid-stream after three events
     with httpx.Client(base_url=base, timeout=60) as c:
-        with c.stream("POST", "/v1/completions", json={**long_body, "stream": True, "logprobs": 5}) as r:
+        with c.stream("POST", "/v1/completions", json={**long_body, "n": 1, "stream": True, "logprobs": 5}) as r:
             lines = r.iter_lines()
             got = []
             for line in lines:
