@@ -226,14 +226,18 @@ def test_200_clients_mixed_load(loaded_server):
     warm = asyncio.run(load(base, 200, 10, expected, rng))
     assert not warm["other"], warm["other"][:3]
     assert wait_idle(base)["tokens_held"] == 0
+    time.sleep(1.5)  # the engine shrinks its KV cache and trims the heap once idle
     rss_before = rss_mb(proc)
     t0 = time.monotonic()
     stats = asyncio.run(load(base, 200, 20, expected, rng))
     elapsed = time.monotonic() - t0
+    peak_kv = metric(base, "logprobe_kv_cache_bytes") / 2**20
     h = wait_idle(base)
+    time.sleep(1.5)
     rss_after = rss_mb(proc)
     print(f"\nload: 200 clients {elapsed:.0f} s: {stats['ok']} answers checked, {stats['429']} x 429, "
-          f"rss {rss_before:.0f} -> {rss_after:.0f} MB")
+          f"rss {rss_before:.0f} -> {rss_after:.0f} MB (KV cache at the end of the load {peak_kv:.0f} MB, "
+          f"idle {metric(base, 'logprobe_kv_cache_bytes') / 2**20:.0f} MB)")
     assert not stats["other"], stats["other"][:3]
     assert stats["ok"] >= 100
     assert (h["requests_running"], h["requests_queued"], h["tokens_held"], h["in_flight"]) == (0, 0, 0, 0)

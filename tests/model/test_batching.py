@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -148,3 +149,16 @@ def test_short_prompts_share_one_prefill_pass(tiny_engine, reference, monkeypatc
         want = [ref[p - 1 + i][t] for i, t in enumerate(g.sequences[0].token_ids)]
         np.testing.assert_allclose(g.sequences[0].logprobs, want, atol=TOL)
         assert g.sequences[0].token_ids[0] == int(np.argmax(ref[p - 1]))
+
+
+def test_kv_cache_shrinks_when_idle(tiny_engine):
+    """The slot cache grows with the batch; once the engine is idle it goes back to its first size."""
+    cache = tiny_engine.runner.cache
+    initial = cache._initial
+    groups = [make(tiny_engine, [5 + i, 6], max_tokens=20, n=3, temperature=1.0, seed=i) for i in range(8)]
+    run(tiny_engine, groups)
+    assert cache.num_slots >= 24 or cache.capacity > initial[1]
+    deadline = time.time() + 5
+    while (cache.num_slots, cache.capacity) != initial and time.time() < deadline:
+        time.sleep(0.05)
+    assert (cache.num_slots, cache.capacity) == initial and not cache.rows

@@ -32,6 +32,8 @@ class Metrics:
         self.tokens_held = Gauge("logprobe_tokens_held", "Tokens held by admitted requests", registry=r)
         self.capacity = Gauge("logprobe_tokens_capacity", "Tokens the server holds at most (max_tokens_in_flight)",
                               registry=r)
+        self.kv_cache_bytes = Gauge("logprobe_kv_cache_bytes", "Bytes allocated to the batched KV cache",
+                                    registry=r)
         self.engine_in_flight = Gauge("logprobe_engine_sequence_groups", "Sequence groups in the engine",
                                       registry=r)
 
@@ -42,6 +44,7 @@ class Metrics:
         self.tokens_held.set_function(lambda: admission.held)
         self.capacity.set_function(lambda: admission.capacity)
         self.engine_in_flight.set_function(lambda: (engine_ref().num_in_flight if engine_ref() else 0))
+        self.kv_cache_bytes.set_function(lambda: (engine_ref().runner.kv_cache_bytes if engine_ref() else 0))
 
     def observe_step(self, seconds: float, rows: int) -> None:
         """Called by the engine thread after each step (prometheus_client is thread-safe)."""

@@ -171,7 +171,12 @@ class Engine:
         trimmed_at = self.num_steps
         while not self._stopping and self._alive():
             if not self.scheduler.has_work and self.num_steps != trimmed_at:
-                _trim_heap()  # idle after work: hand freed activation memory back to the OS
+                # idle after work: shrink the KV cache and hand freed memory back to the OS
+                for group in self.scheduler.dropped:
+                    self.runner.release(group)
+                self.scheduler.dropped.clear()
+                self.runner.on_idle()
+                _trim_heap()
                 trimmed_at = self.num_steps
             self._drain_inbox(block=not self.scheduler.has_work)
             plan = self.scheduler.schedule()

@@ -142,6 +142,13 @@ class FastRunner(ModelRunner):
             return None
         return self.logprobs_of(hidden[-1:])
 
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.cache.nbytes
+
+    def on_idle(self) -> None:
+        self.cache.shrink()
+
     def prefill_progress(self, group: SequenceGroup) -> int:
         return group.cache.done if isinstance(group.cache, PrefillState) else 0
 

@@ -30,7 +30,17 @@ class SlotCache:
         self.rows: list[Row] = []
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self._allocate(slots, min(capacity, max_len))
+        self._initial = (slots, min(capacity, max_len))
+        self._allocate(*self._initial)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def shrink(self) -> None:
+        """Back to the initial size when no slot is used (the cache only grows while busy)."""
+        if not self.rows and (self.num_slots, self.capacity) != self._initial:
+            self._allocate(*self._initial)  # nothing to copy: no slot is used
 
     @property
     def num_slots(self) -> int:

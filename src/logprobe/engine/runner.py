@@ -172,6 +172,11 @@ class ModelRunner:
         """`prefill_chunk` for each (group, budget); a runner may run them in one pass."""
         return [self.prefill_chunk(group, budget) for group, budget in chunks]
 
+    kv_cache_bytes = 0  # this runner keeps a cache per request, inside the request
+
+    def on_idle(self) -> None:
+        """Called when the engine has nothing to do."""
+
     def prefill_progress(self, group: SequenceGroup) -> int:
         """Prompt tokens of the group already prefilled (this runner prefills a prompt in one go)."""
         return 0
