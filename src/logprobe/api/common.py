@@ -130,7 +130,10 @@ def check_text_length(engine, texts, param: str) -> None:
     covers more than the longest token's bytes (+1 for a tokenizer's added space), so a text of more
     than that x context bytes is over. Tokenizing a 10 MB prompt only to refuse it would take seconds."""
     ctx = engine.info.context_length
-    per_token = max(len(b) for b in engine.table.token_bytes) + 1
+    per_token = engine.table.max_token_bytes + 1
+    size = sum(len(t) for t in texts if isinstance(t, str)) * 4  # UTF-8 bytes, at most 4 a character
+    if size <= ctx * per_token:
+        return  # the common case, without encoding the text
     size = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts if isinstance(t, str))
     if size > ctx * per_token:
         raise ContextLengthExceeded(

@@ -172,9 +172,6 @@ class Engine:
         while not self._stopping and self._alive():
             if not self.scheduler.has_work and self.num_steps != trimmed_at:
                 # idle after work: shrink the KV cache and hand freed memory back to the OS
-                for group in self.scheduler.dropped:
-                    self.runner.release(group)
-                self.scheduler.dropped.clear()
                 self.runner.on_idle()
                 _trim_heap()
                 trimmed_at = self.num_steps

@@ -8,6 +8,7 @@ model for the whole vocabulary (`TokenTable`), so formatting a response never ca
 from __future__ import annotations
 
 import codecs
+import functools
 import re
 from dataclasses import dataclass
 
@@ -83,6 +84,11 @@ class TokenTable:
         strings = np.empty(vocab_size, dtype=object)
         strings[:] = [token_string(b) for b in token_bytes]
         return cls(token_bytes, strings, special_ids)
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most bytes of text one token stands for."""
+        return max((len(b) for b in self.token_bytes), default=1)
 
     def text_bytes(self, token_id: int) -> bytes:
         """The bytes a token contributes to a decoded text (special tokens contribute none)."""
