@@ -1,6 +1,6 @@
 """Benchmarks 1, 2, 4 and 5 of PERFORMANCE.md, logprobe against its peers in one run.
 
-1. Scoring: 64 texts of ~128 tokens, prompt log probabilities with the 5 likeliest (echo + logprobs 5),
+1. Scoring: 64 texts of 128 tokens, prompt log probabilities with the 5 likeliest (echo + logprobs 5),
    4 concurrent clients; prompt tokens per second. Peers: llama-cpp-python's server on the same GGUF
    (echo + logprobs 5, max_tokens 1), a hand-written transformers float32 loop (forward, log_softmax,
    top-5, one text at a time), and the model's float32 FLOP limit from PERFORMANCE.md.
@@ -10,7 +10,10 @@
 4. Per-request overhead: a 1-token request end to end, minus the bare forward pass of the same prompt.
 5. Start-up: `logprobe serve` to its first answered request, with an empty cache and with a warm one.
 
-    python benchmarks/throughput.py [--dtype auto] [--skip-llama]
+    python benchmarks/throughput.py [--dtype auto|float32|bfloat16] [--quantization none|int4] [--skip-llama]
+
+Every client thread keeps one connection alive across its requests, as the openai SDK and evaluation
+harnesses do (the same for logprobe and llama-cpp-python).
 
 llama-cpp-python is installed by this script if it is missing (`pip install 'llama-cpp-python[server]==0.3.36'`
 with CMAKE_ARGS for AVX-512 without AMX, which builds llama.cpp from source: ~5 minutes here; a native
@@ -59,10 +62,10 @@ def wait_ready(base: str, proc: subprocess.Popen, path: str = "/v1/models", limi
     raise RuntimeError("server did not start")
 
 
-def start_logprobe(dtype: str, env=None) -> tuple[subprocess.Popen, str]:
+def start_logprobe(dtype: str, env=None, quantization: str = "none") -> tuple[subprocess.Popen, str]:
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "logprobe.cli", "serve", "--port", str(port), "--dtype", dtype,
-                             "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             "--quantization", quantization, "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env=env or os.environ.copy())
     return proc, f"http://127.0.0.1:{port}"
 
@@ -79,10 +82,22 @@ def start_llama(gguf: str) -> tuple[subprocess.Popen, str]:
 def texts_of_128_tokens(base: str, model: str) -> list[str]:
     out = []
     for i in range(64):
-        words = " ".join(SENTENCES[(i + j) % len(SENTENCES)] for j in range(6))
+        words = " ".join(SENTENCES[(i + j) % len(SENTENCES)] for j in range(12))  # ~170 tokens, cut to 128
         ids = httpx.post(base + "/tokenize", json={"prompt": words}).json()["tokens"][:128]
         out.append(httpx.post(base + "/detokenize", json={"tokens": ids}).json()["prompt"])
     return out
+
+
+_clients = threading.local()
+
+
+def client() -> httpx.Client:
+    """This thread's client, kept alive across its requests, as the openai SDK and evaluation harnesses
+    keep theirs (a new httpx connection per request costs ~20 ms of client CPU here, and with several
+    client threads that serialises on the GIL and hides the server's own speed)."""
+    if getattr(_clients, "client", None) is None:
+        _clients.client = httpx.Client(timeout=600)
+    return _clients.client
 
 
 def parallel(jobs, workers: int):
@@ -111,7 +126,7 @@ def parallel(jobs, workers: int):
 def scoring(base: str, model: str, texts: list[str], max_tokens: int) -> float:
     def one(text):
         def job():
-            r = httpx.post(base + "/v1/completions", timeout=600, json={
+            r = client().post(base + "/v1/completions", json={
                 "model": model, "prompt": text, "max_tokens": max_tokens, "echo": True, "logprobs": 5,
                 "temperature": 0})
             r.raise_for_status()
@@ -131,7 +146,7 @@ def generation(base: str, model: str, streams: int, logprobs: int | None) -> tup
             if logprobs is not None:
                 body["logprobs"] = logprobs
             t0, first, count = time.perf_counter(), None, 0
-            with httpx.stream("POST", base + "/v1/completions", json=body, timeout=600) as r:
+            with client().stream("POST", base + "/v1/completions", json=body) as r:
                 for line in r.iter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
@@ -206,10 +221,10 @@ def overhead(base: str, model: str, smol_dir: str, dtype: str) -> tuple[float, f
     return statistics.median(times[1:]) * 1e3, statistics.median(kept[1:]) * 1e3, statistics.median(bare[1:]) * 1e3
 
 
-def startup(dtype: str) -> tuple[float, float]:
+def startup(dtype: str, quantization: str) -> tuple[float, float]:
     def once(env):
         t0 = time.perf_counter()
-        proc, base = start_logprobe(dtype, env)
+        proc, base = start_logprobe(dtype, env, quantization)
         try:
             wait_ready(base, proc, "/health")
             httpx.post(base + "/v1/completions", json={"model": "smollm2-135m", "prompt": "Hi", "max_tokens": 1})
@@ -242,6 +257,8 @@ def ensure_llama_cpp() -> bool:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    ap.add_argument("--quantization", default="none", choices=["none", "int4"],
+                    help="logprobe's --quantization (int4: 4-bit weights for decode steps of few rows)")
     ap.add_argument("--skip-llama", action="store_true")
     args = ap.parse_args()
     from logprobe.engine import loader
@@ -252,7 +269,7 @@ def main() -> None:
     model = "smollm2-135m"
     rows = []
 
-    proc, base = start_logprobe(dtype)
+    proc, base = start_logprobe(dtype, quantization=args.quantization)
     try:
         wait_ready(base, proc)
         texts = texts_of_128_tokens(base, model)
@@ -264,7 +281,7 @@ def main() -> None:
         proc.terminate()
         proc.wait()
     hf_score, hf_gen = transformers_loop(texts, smol_dir)
-    first_start, later_start = startup(dtype)
+    first_start, later_start = startup(dtype, args.quantization)
 
     llama = None
     if not args.skip_llama and ensure_llama_cpp():
@@ -277,7 +294,8 @@ def main() -> None:
             proc.terminate()
             proc.wait()
 
-    cond = f"SmolLM2-135M, logprobe {dtype}, {os.cpu_count()} CPU cores, greedy"
+    cond = (f"SmolLM2-135M, logprobe --dtype {dtype} --quantization {args.quantization}, {os.cpu_count()} CPU cores, "
+            "greedy, clients on keep-alive connections")
     print(f"\nconditions: {cond}; llama-cpp-python 0.3.36 on the same Q4_1 GGUF; transformers float32")
     rows.append(("1. scoring, 64 x 128 tokens, echo+logprobs 5, 4 clients (prompt tok/s)", lp_score,
                  [("transformers f32 loop", hf_score), ("llama-cpp-python", llama and llama["score"]),

@@ -34,6 +34,7 @@ class Settings:
     chat_template: str | None = None
     dtype: str = "float32"
     device: str = "cpu"
+    quantization: str = "none"  # "int4": 4-bit decode weights (engine/int4.py)
     host: str = "127.0.0.1"
     port: int = 8000
     log_level: str = "info"

@@ -182,7 +182,7 @@ def model_card(engine, limits) -> dict:
         "id": info.name, "object": "model", "created": CREATED, "owned_by": "logprobe",
         "aliases": info.aliases, "num_layers": info.num_layers, "d_model": info.d_model,
         "vocab_size": info.vocab_size, "context_length": info.context_length, "max_model_len":
-        info.context_length, "dtype": info.dtype, "bos_token": info.bos_token, "eos_token": info.eos_token,
+        info.context_length, "dtype": info.dtype, "quantization": info.quantization, "bos_token": info.bos_token, "eos_token": info.eos_token,
         "adds_bos": info.adds_bos, "has_chat_template": info.has_chat_template,
         "limits": {**limits.as_dict(), "context_length": info.context_length},
     }

@@ -152,18 +152,23 @@ def ensure_cached(gguf_path: str) -> Path:
     return cached
 
 
-def load(source: ModelSource, dtype: str = "float32", device: str = "cpu"):
-    """Load (model, tokenizer) for a source; the model is in eval mode on `device`."""
+def load(source: ModelSource, dtype: str = "float32", device: str = "cpu", quantization: str = "none"):
+    """Load (model, tokenizer) for a source; the model is in eval mode on `device`. With quantization
+    "int4" the decoder's projections must lie on a 4-bit grid (a Q4_0/Q4_1 GGUF): their grids are found
+    in the float32 weights, before any cast, and kept on the model as `logprobe_int4` for the engine."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ModelLoadError("--device cuda was asked for, but torch sees no CUDA device")
+    if quantization not in ("none", "int4"):
+        raise ModelLoadError(f"unknown quantization {quantization!r}: use none or int4")
     torch_dtype = _torch_dtype(dtype, device)
     location = str(ensure_cached(source.location)) if source.kind == "gguf" else source.location
     try:
         tokenizer = AutoTokenizer.from_pretrained(location)
-        model = AutoModelForCausalLM.from_pretrained(location, dtype=torch_dtype)
+        model = AutoModelForCausalLM.from_pretrained(
+            location, dtype=torch.float32 if quantization == "int4" else torch_dtype)
     except OSError as exc:
         if source.kind == "hub":
             raise ModelLoadError(
@@ -172,7 +177,25 @@ def load(source: ModelSource, dtype: str = "float32", device: str = "cpu"):
                 "transformers directory or a .gguf file, or start with no --model for the bundled model."
             ) from None
         raise ModelLoadError(f"could not load {location}: {exc}") from None
-    model.to(device)
+    grids = _int4_grids(model, device) if quantization == "int4" else None
+    model.to(device=device, dtype=torch_dtype)
     model.eval()
     model.requires_grad_(False)
+    model.logprobe_int4 = grids
     return model, tokenizer
+
+
+def _int4_grids(model, device: str) -> dict:
+    from . import fast_runner, int4
+
+    if not device.startswith("cpu"):
+        raise ModelLoadError("--quantization int4 runs on the CPU only (PyTorch's CPU int4 kernel)")
+    if not fast_runner.supports(model):
+        raise ModelLoadError(f"--quantization int4 needs a Llama-family model; this one is {model.config.model_type!r}")
+    if not int4.available():
+        raise ModelLoadError("--quantization int4: this build of torch has no CPU int4 kernel")
+    try:
+        return int4.decoder_grids(model)
+    except ValueError as exc:
+        raise ModelLoadError(f"--quantization int4 needs the model's own 4-bit weights (a Q4_0 or Q4_1 GGUF): "
+                             f"{exc}") from None

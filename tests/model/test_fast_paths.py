@@ -1,0 +1,185 @@
+"""The speed paths of the lean runner, checked against the float64 reference: bfloat16 with pre-packed
+weights (same numbers as the plain product), the padded prompt-only pass, and 4-bit decode weights
+(`--quantization int4`)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from logprobe.engine import fast_runner, int4, loader
+from logprobe.engine.engine import Engine
+from logprobe.engine.request import SamplingParams, SequenceGroup
+
+from conftest import Reference, make_tiny_model
+
+
+def run(engine, groups):
+    asyncio.run(engine.run(groups))
+    return groups
+
+
+def make(engine, ids, **params):
+    return SequenceGroup("t", list(ids), SamplingParams(**params), engine.table)
+
+
+def on_grid(model, seed: int = 1):
+    """A copy of `model` whose block projections are snapped to a Q4_1-style grid: per row and group of
+    32 columns, w = d * q + m with q in 0..15 and d, m float16 (what a Q4_1 GGUF dequantizes to)."""
+    model = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and ".layers." in f".{name}":
+            n, k = module.weight.shape
+            q = torch.randint(0, 16, (n, k // 32, 32), generator=gen).float()
+            q[..., 0], q[..., 1] = 0, 15  # both ends used, as llama.cpp's quantizer does
+            d = (torch.rand(n, k // 32, 1, generator=gen) * 0.02 + 0.005).half().float()
+            m = (-7.5 * d + (torch.rand(n, k // 32, 1, generator=gen) - 0.5) * 0.01).half().float()
+            module.weight.copy_((q * d + m).reshape(n, k))
+    return model
+
+
+# ---- 4-bit grids ---------------------------------------------------------------------------------
+def test_grid_found_exactly_and_refused_off_grid():
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (48, 4, 32), generator=gen).float()
+    q[..., 0], q[..., -1] = 0, 15
+    d = (torch.rand(48, 4, 1, generator=gen) * 0.1).half().float()
+    m = (torch.randn(48, 4, 1, generator=gen) * 0.1).half().float()
+    w = (q * d + m).reshape(48, 128)
+    grid = int4.grid_of(w)
+    assert grid is not None
+    assert torch.equal(grid.q.reshape(48, 4, 32).float(), q)
+    back = grid.q.reshape(48, 4, 32).float() * grid.scale[..., None] + grid.offset[..., None]
+    assert torch.equal(back.reshape(48, 128), w)
+    assert int4.grid_of(torch.randn(48, 128, generator=gen)) is None  # not 4-bit
+    off = w.clone()
+    off[3, 70] += d[3, 2, 0] * 0.3  # one value between two grid points
+    assert int4.grid_of(off) is None
+    assert int4.grid_of(torch.zeros(4, 40)) is None  # columns not in groups of 32
+
+
+@pytest.mark.skipif(not int4.available(), reason="no CPU int4 kernel in this torch")
+def test_int4_product_against_float64():
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randint(0, 16, (96, 6, 32), generator=gen).float()
+    q[..., 0], q[..., -1] = 0, 15
+    d = (torch.rand(96, 6, 1, generator=gen) * 0.05).half().float()
+    m = (-8 * d).half().float()
+    w = (q * d + m).reshape(96, 192)
+    lin = int4.Int4Linear([int4.grid_of(w[:40]), int4.grid_of(w[40:])])  # stacked like q/k/v
+    x = torch.randn(5, 192, generator=gen)
+    want = x.double() @ w.double().T
+    got = lin(x)
+    assert got.dtype == torch.float32 and got.shape == (5, 96)
+    # bfloat16 inputs, scales and output: relative error a few 2^-9
+    assert (got.double() - want).abs().max() <= 0.01 * want.abs().max()
+
+
+# ---- bfloat16: packed weights give the plain product's numbers --------------------------------------
+@pytest.mark.skipif(not fast_runner.packing_works(torch.bfloat16, torch.device("cpu")),
+                    reason="no oneDNN weight packing for bfloat16 here")
+def test_packed_bfloat16_equals_plain(tiny_model, tokenizer, monkeypatch):
+    model = copy.deepcopy(tiny_model).to(torch.bfloat16)
+    packed = Engine(model, tokenizer, "packed")
+    monkeypatch.setattr(fast_runner, "packing_works", lambda dtype, device: False)
+    plain = Engine(copy.deepcopy(tiny_model).to(torch.bfloat16), tokenizer, "plain")
+    assert packed.runner.packed and not plain.runner.packed
+    reference = Reference(tiny_model)
+    for engine in (packed, plain):
+        engine.start()
+    try:
+        prompts = [[1, 5, 9, 20, 33], [1, 7, 7], [1, 40, 41, 42, 43, 44, 45, 46, 47]]
+        a = run(packed, [make(packed, p, max_tokens=6, temperature=0, logprobs=3, echo=True) for p in prompts])
+        b = run(plain, [make(plain, p, max_tokens=6, temperature=0, logprobs=3, echo=True) for p in prompts])
+        for ga, gb in zip(a, b):
+            assert ga.sequences[0].token_ids == gb.sequences[0].token_ids
+            assert ga.sequences[0].logprobs == gb.sequences[0].logprobs
+            np.testing.assert_array_equal(ga.prompt_columns.logprobs, gb.prompt_columns.logprobs)
+            ref = reference.logprobs(ga.prompt_ids + ga.sequences[0].token_ids).numpy()
+            want = [ref[len(ga.prompt_ids) - 1 + i][t] for i, t in enumerate(ga.sequences[0].token_ids)]
+            np.testing.assert_allclose(ga.sequences[0].logprobs, want, atol=0.1)  # bfloat16's error
+    finally:
+        packed.stop()
+        plain.stop()
+
+
+# ---- the padded prompt-only pass of the lean runner ------------------------------------------------
+def test_prompt_only_batch_of_unequal_lengths(tiny_engine, reference):
+    prompts = [[1, 5, 9, 20, 33, 34, 35], [1, 7], [1, 40, 41, 42], list(range(3, 60))]
+    groups = [make(tiny_engine, p, max_tokens=0, echo=True, logprobs=4) for p in prompts]
+    steps = tiny_engine.num_steps
+    run(tiny_engine, groups)
+    assert tiny_engine.num_steps - steps == 1  # one padded pass for all four
+    for g in groups:
+        ref = reference.logprobs(g.prompt_ids).numpy()
+        ids = g.prompt_ids
+        np.testing.assert_allclose(g.prompt_columns.logprobs[1:], [ref[i - 1][ids[i]] for i in range(1, len(ids))],
+                                   atol=1e-5)
+        top = np.sort(ref[:-1], axis=1)[:, ::-1][:, :4]
+        np.testing.assert_allclose(g.prompt_columns.top_logprobs[1:], top, atol=1e-5)
+        for i in range(1, len(ids)):
+            lo, hi = reference.rank_bounds(ref[i - 1], ids[i])
+            assert lo <= g.prompt_columns.ranks[i] <= hi
+
+
+# ---- 4-bit decode weights --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def grid_model(tiny_model):
+    return on_grid(tiny_model)
+
+
+@pytest.mark.skipif(not int4.available(), reason="no CPU int4 kernel in this torch")
+def test_int4_decode_against_float64(grid_model, tokenizer):
+    model = copy.deepcopy(grid_model)
+    model.logprobe_int4 = int4.decoder_grids(model)
+    engine = Engine(model, tokenizer, "q4")
+    assert engine.info.quantization == "int4" and engine.runner.int4
+    reference = Reference(grid_model)
+    engine.start()
+    try:
+        prompts = [[1, 5, 9, 20, 33], [1, 7, 7], [1, 40, 41, 42, 43, 44, 45, 46, 47]]
+        groups = run(engine, [make(engine, p, max_tokens=12, temperature=0, logprobs=3, echo=True) for p in prompts])
+        worst = 0.0
+        for g in groups:
+            seq = g.sequences[0]
+            ref = reference.logprobs(g.prompt_ids + seq.token_ids).numpy()
+            # prompt passes stay float32: exact
+            ids = g.prompt_ids
+            np.testing.assert_allclose(g.prompt_columns.logprobs[1:], [ref[i - 1][ids[i]] for i in range(1, len(ids))],
+                                       atol=1e-5)
+            want = np.array([ref[len(ids) - 1 + i][t] for i, t in enumerate(seq.token_ids)])
+            # the first token comes from the (float32) prefill; the others from 4-bit decode steps
+            assert abs(seq.logprobs[0] - want[0]) < 1e-5
+            worst = max(worst, float(np.abs(np.array(seq.logprobs) - want).max()))
+            for i, t in enumerate(seq.token_ids):  # greedy: the likeliest by the reference, up to near-ties
+                row = ref[len(ids) - 1 + i]
+                assert row[t] >= row.max() - 0.05
+        assert 0 < worst < 0.05  # bfloat16-sized, and not the float32 numbers
+    finally:
+        engine.stop()
+
+
+@pytest.mark.skipif(not int4.available(), reason="no CPU int4 kernel in this torch")
+def test_int4_loading_refuses_weights_off_grid(tiny_model, tokenizer, tmp_path):
+    tiny_model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    source = loader.resolve_source(str(tmp_path))
+    with pytest.raises(loader.ModelLoadError, match="4-bit weights .*layers.0.self_attn.q_proj is not on a 4-bit grid"):
+        loader.load(source, "float32", quantization="int4")
+    on_grid(tiny_model).save_pretrained(tmp_path)
+    model, _ = loader.load(source, "bfloat16", quantization="int4")
+    assert next(model.parameters()).dtype == torch.bfloat16 and len(model.logprobe_int4) == 2 * 7
+    plain, _ = loader.load(source, "float32")
+    assert plain.logprobe_int4 is None
+
+
+def test_int4_needs_a_supported_model(tokenizer):
+    model = make_tiny_model(len(tokenizer))
+    model.logprobe_int4 = {}
+    with pytest.raises(ValueError, match="fast path"):
+        Engine(model, tokenizer, "x", fast=False)
