@@ -23,6 +23,7 @@ build crashed on the first token on these machines). Conditions are printed next
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import statistics
@@ -146,26 +147,30 @@ def generation(base: str, model: str, streams: int, logprobs: int | None) -> tup
             if logprobs is not None:
                 body["logprobs"] = logprobs
             t0, first, count = time.perf_counter(), None, 0
-            with client().stream("POST", base + "/v1/completions", json=body) as r:
-                for line in r.iter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    import json
-
-                    chunk = json.loads(line[6:])
-                    if not chunk.get("choices"):
-                        continue
-                    ch = chunk["choices"][0]
-                    n = len(ch["logprobs"]["tokens"]) if ch.get("logprobs") else (1 if ch.get("text") else 0)
-                    if n and first is None:
-                        first = time.perf_counter() - t0
-                    count += n
-            return count, first
+            try:
+                with client().stream("POST", base + "/v1/completions", json=body) as r:
+                    for line in r.iter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[6:])
+                        if not chunk.get("choices"):
+                            continue
+                        ch = chunk["choices"][0]
+                        n = len(ch["logprobs"]["tokens"]) if ch.get("logprobs") else (1 if ch.get("text") else 0)
+                        if n and first is None:
+                            first = time.perf_counter() - t0
+                        count += n
+            except httpx.HTTPError:  # the server dropped the stream: count what came, report the drop
+                _clients.client = None
+                return count, first, True
+            return count, first, False
         return job
 
     one(0)()  # warm-up
     results, wall = parallel([one(i) for i in range(streams)], workers=streams)
-    return sum(c for c, _ in results) / wall, statistics.median(f for _, f in results if f is not None)
+    firsts = [f for _, f, _ in results if f is not None]
+    return (sum(c for c, _, _ in results) / wall, statistics.median(firsts) if firsts else float("nan"),
+            sum(dropped for *_, dropped in results))
 
 
 def transformers_loop(texts: list[str], smol_dir: str) -> tuple[float, float]:
@@ -274,8 +279,8 @@ def main() -> None:
         wait_ready(base, proc)
         texts = texts_of_128_tokens(base, model)
         lp_score = scoring(base, model, texts, max_tokens=0)
-        lp_gen1, lp_ttft1 = generation(base, model, 1, 5)
-        lp_gen16, lp_ttft16 = generation(base, model, 16, 5)
+        lp_gen1, lp_ttft1, lp_drop1 = generation(base, model, 1, 5)
+        lp_gen16, lp_ttft16, lp_drop16 = generation(base, model, 16, 5)
         e2e_ms, kept_ms, bare_ms = overhead(base, model, smol_dir, dtype)
     finally:
         proc.terminate()
@@ -313,6 +318,9 @@ def main() -> None:
                 print(f"    vs {name}: {value:.1f}  -> ratio {ours / value:.2f}x")
     print(f"2. time to first token: 1 stream {lp_ttft1 * 1e3:.0f} ms, 16 streams (median) {lp_ttft16 * 1e3:.0f} ms"
           + (f"; llama-cpp-python 16 streams {llama['gen16'][1] * 1e3:.0f} ms" if llama else ""))
+    print(f"   streams dropped by the server: logprobe {lp_drop1 + lp_drop16} of 17"
+          + (f"; llama-cpp-python {llama['gen1'][2] + llama['gen16'][2]} of 17 (their tokens until the drop "
+             "are counted)" if llama else ""))
     print(f"4. 1-token request: bare forward {bare_ms:.1f} ms; end to end on a new connection each time "
           f"{e2e_ms:.1f} ms (overhead {e2e_ms - bare_ms:.1f} ms), on one keep-alive connection {kept_ms:.1f} ms "
           f"(overhead {kept_ms - bare_ms:.1f} ms)")

@@ -68,6 +68,17 @@ class Reference:
 
 
 @pytest.fixture(scope="session")
+def reference_of():
+    """Reference(model) for a model of a test's own."""
+    return Reference
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory():
+    return make_tiny_model
+
+
+@pytest.fixture(scope="session")
 def reference(tiny_model):
     return Reference(tiny_model)
 

@@ -15,8 +15,6 @@ from logprobe.engine import fast_runner, int4, loader
 from logprobe.engine.engine import Engine
 from logprobe.engine.request import SamplingParams, SequenceGroup
 
-from conftest import Reference, make_tiny_model
-
 
 def run(engine, groups):
     asyncio.run(engine.run(groups))
@@ -83,13 +81,12 @@ def test_int4_product_against_float64():
 # ---- bfloat16: packed weights give the plain product's numbers --------------------------------------
 @pytest.mark.skipif(not fast_runner.packing_works(torch.bfloat16, torch.device("cpu")),
                     reason="no oneDNN weight packing for bfloat16 here")
-def test_packed_bfloat16_equals_plain(tiny_model, tokenizer, monkeypatch):
+def test_packed_bfloat16_equals_plain(tiny_model, tokenizer, reference, monkeypatch):
     model = copy.deepcopy(tiny_model).to(torch.bfloat16)
     packed = Engine(model, tokenizer, "packed")
     monkeypatch.setattr(fast_runner, "packing_works", lambda dtype, device: False)
     plain = Engine(copy.deepcopy(tiny_model).to(torch.bfloat16), tokenizer, "plain")
     assert packed.runner.packed and not plain.runner.packed
-    reference = Reference(tiny_model)
     for engine in (packed, plain):
         engine.start()
     try:
@@ -134,12 +131,12 @@ def grid_model(tiny_model):
 
 
 @pytest.mark.skipif(not int4.available(), reason="no CPU int4 kernel in this torch")
-def test_int4_decode_against_float64(grid_model, tokenizer):
+def test_int4_decode_against_float64(grid_model, tokenizer, reference_of):
     model = copy.deepcopy(grid_model)
     model.logprobe_int4 = int4.decoder_grids(model)
     engine = Engine(model, tokenizer, "q4")
     assert engine.info.quantization == "int4" and engine.runner.int4
-    reference = Reference(grid_model)
+    reference = reference_of(grid_model)
     engine.start()
     try:
         prompts = [[1, 5, 9, 20, 33], [1, 7, 7], [1, 40, 41, 42, 43, 44, 45, 46, 47]]
@@ -178,8 +175,37 @@ def test_int4_loading_refuses_weights_off_grid(tiny_model, tokenizer, tmp_path):
     assert plain.logprobe_int4 is None
 
 
-def test_int4_needs_a_supported_model(tokenizer):
-    model = make_tiny_model(len(tokenizer))
+def test_int4_needs_a_supported_model(tokenizer, tiny_model_factory):
+    model = tiny_model_factory(len(tokenizer))
     model.logprobe_int4 = {}
     with pytest.raises(ValueError, match="fast path"):
         Engine(model, tokenizer, "x", fast=False)
+
+
+# ---- the bundled model, as `logprobe serve --quantization int4` loads it -------------------------------
+@pytest.mark.skipif(not int4.available(), reason="no CPU int4 kernel in this torch")
+def test_bundled_model_int4_against_float32(tokenizer):
+    from logprobe.cli import build_parser, settings_from_args
+
+    settings = settings_from_args(build_parser().parse_args(["serve", "--quantization", "int4"]))
+    assert settings.quantization == "int4"
+    source = loader.resolve_source(None)
+    q4_model, tok = loader.load(source, "float32", quantization=settings.quantization)
+    assert len(q4_model.logprobe_int4) == 30 * 7  # every projection of the Q4_1 file is on its grid
+    q4 = Engine(q4_model, tok, "q4")
+    f32_model, _ = loader.load(source, "float32")
+    f32 = Engine(f32_model, tok, "f32")
+    prompt = tok("1, 2, 3, 4, 5, 6, 7, 8, 9, 10,").input_ids
+    for engine in (q4, f32):
+        engine.start()
+    try:
+        a, = run(q4, [make(q4, prompt, max_tokens=16, temperature=0, logprobs=5)])
+        b, = run(f32, [make(f32, prompt, max_tokens=16, temperature=0, logprobs=5)])
+    finally:
+        q4.stop()
+        f32.stop()
+    assert a.sequences[0].token_ids == b.sequences[0].token_ids  # counting on: no near-ties
+    diff = np.abs(np.array(a.sequences[0].logprobs) - np.array(b.sequences[0].logprobs))
+    assert diff[0] < 1e-5  # the first token comes from the float32 prefill
+    assert 0 < diff[1:].max() < 0.1  # 4-bit decode steps: bfloat16-sized differences
+    np.testing.assert_allclose(np.stack(a.sequences[0].top_logprobs), np.stack(b.sequences[0].top_logprobs), atol=0.15)
