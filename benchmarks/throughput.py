@@ -12,7 +12,9 @@
 
     python benchmarks/throughput.py [--dtype auto|float32|bfloat16] [--quantization none|int4] [--skip-llama]
 
-Every client thread keeps one connection alive across its requests, as the openai SDK and evaluation
+The ratios to the transformers peer (workloads 1 and 2a) are medians over 3 rounds that alternate
+logprobe and the peer, because this machine's speed drifts by up to 2x within minutes. Every client
+thread keeps one connection alive across its requests, as the openai SDK and evaluation
 harnesses do (the same for logprobe and llama-cpp-python).
 
 llama-cpp-python is installed by this script if it is missing (`pip install 'llama-cpp-python[server]==0.3.36'`
@@ -35,6 +37,7 @@ import time
 
 import httpx
 
+ROUNDS = 3  # alternating rounds of logprobe and the transformers peer
 LLAMA_CMAKE_ARGS = "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON"
 COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"  # greedy decoding counts on: every stream makes 64 tokens
 SENTENCES = ["The history of the city goes back to a small settlement on the river.",
@@ -59,7 +62,8 @@ def wait_ready(base: str, proc: subprocess.Popen, path: str = "/v1/models", limi
             if httpx.get(base + path, timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
-            time.sleep(0.2)
+            pass
+        time.sleep(0.1)  # also while /health says loading: polling flat out took CPU from the loading server
     raise RuntimeError("server did not start")
 
 
@@ -173,33 +177,43 @@ def generation(base: str, model: str, streams: int, logprobs: int | None) -> tup
             sum(dropped for *_, dropped in results))
 
 
-def transformers_loop(texts: list[str], smol_dir: str) -> tuple[float, float]:
-    """(scoring tokens/s, generate tokens/s): what a researcher writes by hand, float32."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+class TransformersPeer:
+    """What a researcher writes by hand, float32: a scoring loop (forward, log_softmax, the target's log
+    probability and the top 5, one text at a time) and `generate` for one stream."""
 
-    tok = AutoTokenizer.from_pretrained(smol_dir)
-    model = AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch.float32).eval()
-    total, t0 = 0, time.perf_counter()
-    with torch.inference_mode():
-        for text in texts:
-            ids = tok(text, return_tensors="pt").input_ids
-            lsm = torch.log_softmax(model(ids).logits[0].float(), -1)
-            lsm[:-1].gather(1, ids[0, 1:, None])
-            torch.topk(lsm, 5, dim=-1)
-            total += ids.shape[1]
-        scoring_rate = total / (time.perf_counter() - t0)
-        ids = tok(COUNTING, return_tensors="pt").input_ids
-        model.generate(ids, max_new_tokens=4, do_sample=False)
-        t0 = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=64, min_new_tokens=64, do_sample=False)
-        gen_rate = (out.shape[1] - ids.shape[1]) / (time.perf_counter() - t0)
-    return scoring_rate, gen_rate
+    def __init__(self, smol_dir: str):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.torch = torch
+        self.tok = AutoTokenizer.from_pretrained(smol_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch.float32).eval()
+        self.generate()  # warm-up
+
+    def score(self, texts: list[str]) -> float:
+        torch = self.torch
+        total, t0 = 0, time.perf_counter()
+        with torch.inference_mode():
+            for text in texts:
+                ids = self.tok(text, return_tensors="pt").input_ids
+                lsm = torch.log_softmax(self.model(ids).logits[0].float(), -1)
+                lsm[:-1].gather(1, ids[0, 1:, None])
+                torch.topk(lsm, 5, dim=-1)
+                total += ids.shape[1]
+        return total / (time.perf_counter() - t0)
+
+    def generate(self) -> float:
+        with self.torch.inference_mode():
+            ids = self.tok(COUNTING, return_tensors="pt").input_ids
+            t0 = time.perf_counter()
+            out = self.model.generate(ids, max_new_tokens=64, min_new_tokens=64, do_sample=False)
+            return (out.shape[1] - ids.shape[1]) / (time.perf_counter() - t0)
 
 
-def overhead(base: str, model: str, smol_dir: str, dtype: str) -> tuple[float, float, float]:
+def overhead(base: str, model: str, smol_dir: str, dtype: str) -> tuple[float, float, float, float]:
     """(median end-to-end ms of a 1-token request on a new connection each time, the same on one
-    keep-alive connection as SDK clients use, ms of the bare forward pass of its prompt)."""
+    keep-alive connection as SDK clients use (mean), ms of transformers' bare forward pass of its prompt, mean
+    ms of logprobe's own engine step for those requests, from its /metrics)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -209,11 +223,21 @@ def overhead(base: str, model: str, smol_dir: str, dtype: str) -> tuple[float, f
         t0 = time.perf_counter()
         httpx.post(base + "/v1/completions", json=body)
         times.append(time.perf_counter() - t0)
+    def engine_seconds(client) -> tuple[float, float]:
+        text = client.get("/metrics").text
+        value = lambda name: float(next(line.split()[-1] for line in text.splitlines()  # noqa: E731
+                                        if line.startswith(name + " ")))
+        return value("logprobe_engine_step_seconds_sum"), value("logprobe_engine_step_seconds_count")
+
     with httpx.Client(base_url=base) as client:
-        for _ in range(21):
+        client.post("/v1/completions", json=body)
+        before = engine_seconds(client)
+        for _ in range(20):
             t0 = time.perf_counter()
             client.post("/v1/completions", json=body)
             kept.append(time.perf_counter() - t0)
+        after = engine_seconds(client)
+    engine_step = (after[0] - before[0]) / max(1.0, after[1] - before[1])
     torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
     m = AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch_dtype).eval()
     ids = httpx.post(base + "/tokenize", json={"prompt": "Hi"}).json()["tokens"]
@@ -223,7 +247,8 @@ def overhead(base: str, model: str, smol_dir: str, dtype: str) -> tuple[float, f
             t0 = time.perf_counter()
             torch.log_softmax(m(torch.tensor([ids]), logits_to_keep=1).logits[0, -1].float(), -1)
             bare.append(time.perf_counter() - t0)
-    return statistics.median(times[1:]) * 1e3, statistics.median(kept[1:]) * 1e3, statistics.median(bare[1:]) * 1e3
+    return (statistics.median(times[1:]) * 1e3, statistics.mean(kept) * 1e3, statistics.median(bare[1:]) * 1e3,
+            engine_step * 1e3)
 
 
 def startup(dtype: str, quantization: str) -> tuple[float, float]:
@@ -278,14 +303,23 @@ def main() -> None:
     try:
         wait_ready(base, proc)
         texts = texts_of_128_tokens(base, model)
-        lp_score = scoring(base, model, texts, max_tokens=0)
-        lp_gen1, lp_ttft1, lp_drop1 = generation(base, model, 1, 5)
+        # The ratios to the transformers peer are taken round by round, logprobe and the peer one after
+        # the other, and their median reported: this machine's speed drifts by up to 2x within minutes.
+        peer = TransformersPeer(smol_dir)
+        score_rounds, gen_rounds, lp_drop1 = [], [], 0
+        for _ in range(ROUNDS):
+            score_rounds.append((scoring(base, model, texts, max_tokens=0), peer.score(texts)))
+            ours, lp_ttft1, dropped = generation(base, model, 1, 5)
+            gen_rounds.append((ours, peer.generate()))
+            lp_drop1 += dropped
+        del peer
         lp_gen16, lp_ttft16, lp_drop16 = generation(base, model, 16, 5)
-        e2e_ms, kept_ms, bare_ms = overhead(base, model, smol_dir, dtype)
+        e2e_ms, kept_ms, bare_ms, step_ms = overhead(base, model, smol_dir, dtype)
     finally:
         proc.terminate()
         proc.wait()
-    hf_score, hf_gen = transformers_loop(texts, smol_dir)
+    lp_score, hf_score = (statistics.median(x) for x in zip(*score_rounds))
+    lp_gen1, hf_gen = (statistics.median(x) for x in zip(*gen_rounds))
     first_start, later_start = startup(dtype, args.quantization)
 
     llama = None
@@ -311,6 +345,12 @@ def main() -> None:
     rows.append(("2b. generation, 16 streams, logprobs 5 (aggregate tok/s)", lp_gen16,
                  [("llama-cpp-python 1 stream, no logprobs", llama and llama["gen1"][0]),
                   ("llama-cpp-python 16 streams, logprobs 5", llama and llama["gen16"][0])]))
+    for name, rounds in (("1. scoring vs the transformers loop", score_rounds),
+                         ("2a. one stream vs transformers generate", gen_rounds)):
+        ratios = [a / b for a, b in rounds]
+        print(f"{name}, {ROUNDS} alternating rounds (logprobe, peer): "
+              + ", ".join(f"{a:.1f}/{b:.1f}" for a, b in rounds)
+              + f" -> ratios {', '.join(f'{r:.2f}' for r in ratios)}, median {statistics.median(ratios):.2f}x")
     for title, ours, peers in rows:
         print(f"{title}: logprobe {ours:.1f}")
         for name, value in peers:
@@ -323,7 +363,8 @@ def main() -> None:
              "are counted)" if llama else ""))
     print(f"4. 1-token request: bare forward {bare_ms:.1f} ms; end to end on a new connection each time "
           f"{e2e_ms:.1f} ms (overhead {e2e_ms - bare_ms:.1f} ms), on one keep-alive connection {kept_ms:.1f} ms "
-          f"(overhead {kept_ms - bare_ms:.1f} ms)")
+          f"(overhead {kept_ms - bare_ms:.1f} ms); logprobe's own engine step for it {step_ms:.1f} ms, so the "
+          f"HTTP path around it costs {kept_ms - step_ms:.1f} ms")
     print(f"5. start-up to first answer: first start (dequantize + cache) {first_start:.1f} s, later {later_start:.1f} s")
 
 
