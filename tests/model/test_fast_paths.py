@@ -171,6 +171,9 @@ def test_int4_loading_refuses_weights_off_grid(tiny_model, tokenizer, tmp_path):
     on_grid(tiny_model).save_pretrained(tmp_path)
     model, _ = loader.load(source, "bfloat16", quantization="int4")
     assert next(model.parameters()).dtype == torch.bfloat16 and len(model.logprobe_int4) == 2 * 7
+    # the parameters are cast, not the buffers: RoPE's frequencies stay float32, as in a bfloat16 load
+    assert all(b.dtype == torch.float32 for b in model.buffers())
+    assert all(b.dtype == torch.float32 for b in loader.load(source, "bfloat16")[0].buffers())
     plain, _ = loader.load(source, "float32")
     assert plain.logprobe_int4 is None
 

@@ -74,8 +74,9 @@ class Linear:
 
 
 def rms_norm_of(module):
-    """The module's RMSNorm as a plain function (transformers' own arithmetic: float32 statistics, the
-    weight applied after the cast back), without a module call's overhead; other norms stay modules."""
+    """The module's RMSNorm as one op (torch's rms_norm: float32 statistics), without a module call's
+    overhead; other norms stay modules. In float32 it gives transformers' numbers; in bfloat16 it
+    applies the weight before the one rounding instead of after it (within a bfloat16 step)."""
     eps, weight = getattr(module, "variance_epsilon", None), getattr(module, "weight", None)
     if not type(module).__name__.endswith("RMSNorm") or eps is None or weight is None:
         return module

@@ -177,8 +177,14 @@ def load(source: ModelSource, dtype: str = "float32", device: str = "cpu", quant
                 "transformers directory or a .gguf file, or start with no --model for the bundled model."
             ) from None
         raise ModelLoadError(f"could not load {location}: {exc}") from None
-    grids = _int4_grids(model, device) if quantization == "int4" else None
-    model.to(device=device, dtype=torch_dtype)
+    grids = None
+    if quantization == "int4":
+        grids = _int4_grids(model, device)
+        # Cast the parameters only: buffers such as RoPE's inv_freq stay float32, as from_pretrained
+        # leaves them when it loads in bfloat16 (model.to(dtype) would round them too).
+        for param in model.parameters():
+            param.data = param.data.to(torch_dtype)
+    model.to(device)
     model.eval()
     model.requires_grad_(False)
     model.logprobe_int4 = grids
