@@ -5,6 +5,10 @@ logprobe runs the blocks itself, with the model's own weights and modules, over 
   and values written into the row's slot, attention over `[:rows, :, :longest]` with a length mask.
 * Prefill: in chunks (a long prompt takes several engine steps, so it does not stall the decoding of
   others), into a per-group buffer that moves into slots when the prompt is done.
+* Prompt-only groups (scoring, echo): one right-padded pass, no KV cache kept.
+* bfloat16: every projection and the head pre-packed for oneDNN once (same numbers as the plain
+  product). `--quantization int4`: decode steps of up to INT4_MAX_ROWS rows use the model's own 4-bit
+  weights (int4.py).
 
 Numbers are the same computation as transformers' (same modules, same RoPE, same masks up to padding),
 checked against a float64 forward in the tests.
