@@ -106,12 +106,14 @@ def test_packed_bfloat16_equals_plain(tiny_model, tokenizer, reference, monkeypa
 
 
 # ---- the padded prompt-only pass of the lean runner ------------------------------------------------
-def test_prompt_only_batch_of_unequal_lengths(tiny_engine, reference):
+def test_prompt_only_batch_of_unequal_lengths(tiny_model, tokenizer, reference):
+    """One padded pass of the lean runner for four prompts of different lengths (called directly, so
+    that the batch is exactly these four), checked against the float64 reference."""
+    engine = Engine(copy.deepcopy(tiny_model), tokenizer, "padded")  # not started: the runner is ours
+    assert isinstance(engine.runner, fast_runner.FastRunner)
     prompts = [[1, 5, 9, 20, 33, 34, 35], [1, 7], [1, 40, 41, 42], list(range(3, 60))]
-    groups = [make(tiny_engine, p, max_tokens=0, echo=True, logprobs=4) for p in prompts]
-    steps = tiny_engine.num_steps
-    run(tiny_engine, groups)
-    assert tiny_engine.num_steps - steps == 1  # one padded pass for all four
+    groups = [make(engine, p, max_tokens=0, echo=True, logprobs=4) for p in prompts]
+    engine.runner.prefill_batch(groups)
     for g in groups:
         ref = reference.logprobs(g.prompt_ids).numpy()
         ids = g.prompt_ids

@@ -245,8 +245,8 @@ class FastRunner(ModelRunner):
     @torch.inference_mode()
     def prefill_batch(self, groups: list[SequenceGroup]) -> None:
         """Prompt-only groups (scoring, echo with max_tokens 0) in one right-padded pass of the lean path
-        (its packed weights in bfloat16), each prompt attending causally to its own tokens; no KV cache
-        is kept."""
+        (its packed weights in bfloat16); no KV cache is kept. The plain causal mask is enough: padding
+        sits after each prompt, so a real position never sees it (padded positions' outputs are dropped)."""
         lengths = [g.num_prompt_tokens for g in groups]
         longest = max(lengths)
         ids = torch.zeros((len(groups), longest), dtype=torch.long)
@@ -254,14 +254,9 @@ class FastRunner(ModelRunner):
             ids[row, :lengths[row]] = torch.tensor(g.prompt_ids, dtype=torch.long)
         ids = ids.to(self.device)
         positions = torch.arange(longest, device=self.device)[None].expand(len(groups), -1)
-        mask = None  # equal lengths: the plain causal mask
-        if min(lengths) != longest:
-            valid = positions < torch.tensor(lengths, device=self.device)[:, None]  # [B, T] keys
-            causal = torch.ones(longest, longest, dtype=torch.bool, device=self.device).tril()
-            mask = (causal[None] & valid[:, None, :])[:, None]  # [B, 1, T, T]
 
         def attend(layer, q, k, v):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
                                                   enable_gqa=self.kv_heads != self.num_heads)
 
         hidden = self._run(ids, positions, attend)
