@@ -30,6 +30,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="int4: decode steps of up to 8 rows read the model's own 4-bit weights (a Q4_0/Q4_1 "
                             "GGUF, such as the bundled model) with bfloat16 products: ~2x one stream's speed, "
                             "bfloat16-sized errors; prompt passes stay on --dtype (CPU only)")
+    serve.add_argument("--max-model-len", type=int, default=env_default("max_model_len", s.max_model_len),
+                       metavar="TOKENS", help="serve a shorter context than the model's (prompt + generated "
+                       "tokens; 0: the model's own)")
+    serve.add_argument("--kv-cache-positions", type=int, default=env_default("kv_cache_positions", s.kv_cache_positions),
+                       metavar="N", help="positions per sequence the batched KV cache starts with; it doubles "
+                       "as sequences grow and returns to this size when the server is idle")
     serve.add_argument("--host", default=env_default("host", s.host),
                        help="address to bind (default 127.0.0.1: only this machine; use 0.0.0.0 with --api-key)")
     serve.add_argument("--port", type=int, default=env_default("port", s.port))
@@ -69,7 +75,8 @@ def settings_from_args(args) -> Settings:
     except OSError as exc:
         raise SystemExit(f"logprobe: cannot read --api-key-file: {exc.strerror}")
     return Settings(model=args.model, aliases=args.alias, chat_template=args.chat_template, dtype=args.dtype, device=args.device,
-                    quantization=args.quantization, host=args.host, port=args.port, log_level=args.log_level, limits=limits, admission=admission,
+                    quantization=args.quantization, max_model_len=args.max_model_len,
+                    kv_cache_positions=args.kv_cache_positions, host=args.host, port=args.port, log_level=args.log_level, limits=limits, admission=admission,
                     api_keys=keys)
 
 
@@ -146,7 +153,14 @@ def serve(settings: Settings) -> int:
         http.join(timeout=10)
         return 2
     aliases = source.aliases + [a for a in settings.aliases if a not in source.aliases]
-    engine = Engine(model, tokenizer, source.name, aliases)
+    try:
+        engine = Engine(model, tokenizer, source.name, aliases, max_model_len=settings.max_model_len or None,
+                        kv_cache_positions=settings.kv_cache_positions)
+    except ValueError as exc:
+        print(f"logprobe: {exc}", file=sys.stderr)
+        server.should_exit = True
+        http.join(timeout=10)
+        return 2
     engine_box.append(engine)
     attach_engine(app, engine)
     log.info("ready: serving %s (aliases: %s) on http://%s:%d", engine.info.name, ", ".join(aliases) or "none",

@@ -35,6 +35,8 @@ class Settings:
     dtype: str = "float32"
     device: str = "cpu"
     quantization: str = "none"  # "int4": 4-bit decode weights (engine/int4.py)
+    max_model_len: int = 0  # 0: the model's context length; less: serve a shorter context (vLLM's option)
+    kv_cache_positions: int = 256  # positions per slot the batched KV cache starts with (it doubles, then shrinks back when idle)
     host: str = "127.0.0.1"
     port: int = 8000
     log_level: str = "info"

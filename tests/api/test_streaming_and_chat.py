@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+from faults import inject_failure
 
 TOL = 1e-5
 
@@ -102,16 +103,7 @@ def test_stream_options_without_stream(client):
 
 
 def test_error_after_stream_began_is_an_event(client, tiny_engine, monkeypatch):
-    calls = {"n": 0}
-    real = tiny_engine.runner.decode_groups
-
-    def flaky(groups):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("boom inside")
-        return real(groups)
-
-    monkeypatch.setattr(tiny_engine.runner, "decode_groups", flaky)
+    inject_failure(monkeypatch, tiny_engine.runner, "decode_groups", 3, RuntimeError("boom inside"))
     chunks = events(client, "/v1/completions", {"model": "tiny", "prompt": "x y", "max_tokens": 10, "stream": True})
     assert "error" in chunks[-1]
     err = chunks[-1]["error"]

@@ -135,6 +135,11 @@ class Gate:
                 return Unavailable("The server is shutting down and takes no new requests.")
         return None
 
+    def _quiet_probe(self, status: int) -> bool:
+        """A 503 probe while the model loads is expected (a start polls /health until ready): not logged.
+        A 503 that says the engine is failing or draining is."""
+        return status == 503 and self.state.engine is None
+
     def _record(self, scope, info, path: str, status: int, seconds: float) -> None:
         metrics = self.state.metrics
         label = path if path in KNOWN_PATHS else ("/v1/models/{model}" if path.startswith("/v1/models/")
@@ -145,7 +150,7 @@ class Gate:
         if usage is not None:
             metrics.prompt_tokens.inc(usage[0])
             metrics.completion_tokens.inc(usage[1])
-        if label in ("/health", "/metrics") and status == 200:
+        if label in ("/health", "/metrics") and (status == 200 or self._quiet_probe(status)):
             return  # probes would drown the log
         line = {"request_id": info["request_id"], "method": scope.get("method"), "path": path,
                 "status": status, "key": info.get("key_id"), "ms": round(seconds * 1000, 1)}
@@ -238,6 +243,7 @@ def create_app(engine, limits: Limits | None = None, admission: AdmissionSetting
 def attach_engine(app: FastAPI, engine) -> None:
     """The model is loaded: serve it."""
     engine.step_observer = app.state.metrics.observe_step
+    engine.failure_observer = app.state.metrics.observe_failure
     app.state.engine = engine
 
 

@@ -91,10 +91,10 @@ def parse_chat(body: dict, limits: Limits) -> ChatRequest:
     v.check_known_fields(body, CHAT_FIELDS, UNIMPLEMENTED_FIELDS)
     model = v.get_str(body, "model", required=True)
     messages = parse_messages(body.get("messages"))
-    max_tokens = v.get_int(body, "max_completion_tokens", None, ge=0)
+    max_tokens = v.get_int(body, "max_completion_tokens", None, ge=0, le=None)  # the context bounds it
     max_tokens_field = "max_completion_tokens"
     if max_tokens is None:
-        max_tokens = v.get_int(body, "max_tokens", None, ge=0)
+        max_tokens = v.get_int(body, "max_tokens", None, ge=0, le=None)
         max_tokens_field = "max_tokens"
     logprobs = v.get_bool(body, "logprobs", False)
     top = v.get_int(body, "top_logprobs", None, ge=0, le=limits.max_logprobs)
@@ -165,6 +165,8 @@ def format_response(engine, req: ChatRequest, group: SequenceGroup, parts) -> di
            "model": engine.info.name, "choices": choices,
            "usage": {"prompt_tokens": group.num_prompt_tokens, "completion_tokens": completion_tokens,
                      "total_tokens": group.num_prompt_tokens + completion_tokens}}
+    # Always present, null unless asked (the contract; vLLM's clients read it unconditionally)
+    out["prompt_logprobs"] = None
     if req.params.prompt_logprobs is not None:
         out["prompt_logprobs"] = parts.add(prompt_logprobs_parts(engine, req, group))
     return out

@@ -85,7 +85,7 @@ def parse_completion(body: dict, limits: Limits) -> CompletionRequest:
     prompts = parse_prompt(body.get("prompt"))
     shared = parse_shared(body, limits)
     params = SamplingParams(
-        max_tokens=v.get_int(body, "max_tokens", 16, ge=0),
+        max_tokens=v.get_int(body, "max_tokens", 16, ge=0, le=None),  # bounded by the context (caps)
         logprobs=v.get_int(body, "logprobs", None, ge=0, le=limits.max_logprobs),
         echo=v.get_bool(body, "echo", False),
         **shared.sampling,
@@ -131,6 +131,22 @@ def check_caps(engine, req: CompletionRequest, prompts: list[Prompt], limits: Li
     check_request_caps(engine, [p.token_ids for p in prompts], req.params, req.residual, limits)
 
 
+def echo_of(engine, prompt: Prompt, added_special: bool) -> tuple[str, list[int]]:
+    """The echoed prompt text and each prompt token's offset in it. Special tokens spell their own text
+    (`<|endoftext|>`), so the tokens always spell the echoed text, as in vLLM; the one exception is the
+    BOS the server added in front of a text prompt, which has no text (the contract: the text starts
+    with your prompt, and `text[len(prompt):]` is the generated text). A text prompt is echoed as sent."""
+    ids = prompt.token_ids
+    bos = engine.info.bos_token_id
+    added_bos = prompt.text is not None and added_special and engine.info.adds_bos and ids and ids[0] == bos
+    asm = TextAssembler(engine.table)
+    for i, t in enumerate(ids):
+        asm.add(t, special_text=not (added_bos and i == 0))
+    asm.finish()
+    text = prompt.text if prompt.text is not None else asm.text
+    return text, [min(o, len(text)) for o in asm.offsets]
+
+
 def build_groups(engine, req: CompletionRequest, prompts: list[Prompt], request_id: str):
     """One SequenceGroup per prompt, plus the echo text and offsets of each prompt."""
     groups, echoes = [], []
@@ -140,12 +156,7 @@ def build_groups(engine, req: CompletionRequest, prompts: list[Prompt], request_
                                    "residual_layers": residual_layers(engine, req.residual)})
         echo_text, echo_offsets = "", []
         if params.echo:
-            asm = TextAssembler(engine.table)
-            for t in p.token_ids:
-                asm.add(t)
-            asm.finish()
-            echo_text = p.text if p.text is not None else asm.text
-            echo_offsets = [min(o, len(echo_text)) for o in asm.offsets]
+            echo_text, echo_offsets = echo_of(engine, p, req.add_special_tokens)
         groups.append(SequenceGroup(request_id, p.token_ids, params, engine.table, len(echo_text)))
         echoes.append((echo_text, echo_offsets))
     return groups, echoes

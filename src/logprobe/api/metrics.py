@@ -34,6 +34,11 @@ class Metrics:
                               registry=r)
         self.kv_cache_bytes = Gauge("logprobe_kv_cache_bytes", "Bytes allocated to the batched KV cache",
                                     registry=r)
+        self.engine_failures = Counter("logprobe_engine_failures", "Engine failures: 'step' (a shared pass failed; "
+                                       "its requests failed and shared state was rebuilt) or 'request' (one "
+                                       "request's own work failed)", ["kind"], registry=r)
+        for kind in ("step", "request"):
+            self.engine_failures.labels(kind)
         self.engine_in_flight = Gauge("logprobe_engine_sequence_groups", "Sequence groups in the engine",
                                       registry=r)
 
@@ -45,6 +50,9 @@ class Metrics:
         self.capacity.set_function(lambda: admission.capacity)
         self.engine_in_flight.set_function(lambda: (engine_ref().num_in_flight if engine_ref() else 0))
         self.kv_cache_bytes.set_function(lambda: (engine_ref().runner.kv_cache_bytes if engine_ref() else 0))
+
+    def observe_failure(self, kind: str) -> None:
+        self.engine_failures.labels(kind).inc()
 
     def observe_step(self, seconds: float, rows: int) -> None:
         """Called by the engine thread after each step (prometheus_client is thread-safe)."""

@@ -319,14 +319,23 @@ async def tokenizer_info(request: Request):
 
 @router.get("/health")
 async def health(request: Request):
-    """`ready` (200) when the model is loaded and requests are taken; `loading` or `draining` (503)
-    otherwise, so that a load balancer sends nothing here until it is ready and stops when it drains."""
+    """`ready` (200) when the model is loaded, the engine's last step succeeded and requests are taken;
+    `loading`, `draining` or `failing` (503) otherwise, so that a load balancer sends nothing here until
+    it is ready, stops when it drains, and stops while the engine's steps fail (`last_error` names the
+    exception's class; the engine clears `failing` as soon as a step succeeds, its own self-check
+    included)."""
     state = request.app.state
     engine, admission = state.engine, state.admission
-    status = "loading" if engine is None else "draining" if admission.draining else "ready"
+    health = engine.health if engine is not None else {}
+    status = ("loading" if engine is None else "draining" if admission.draining
+              else "failing" if health["failing"] else "ready")
     body = {"status": status, "requests_running": admission.running, "requests_queued": admission.queue_depth,
             "tokens_held": admission.held, "in_flight": engine.num_in_flight if engine else 0,
             "engine_steps": engine.num_steps if engine else 0}
+    if engine is not None:
+        body["engine_failures"] = {"steps": health["step_failures"], "requests": health["request_failures"]}
+        if "last_error" in health:
+            body["last_error"] = health["last_error"]
     return _json(body, 200 if status == "ready" else 503)
 
 

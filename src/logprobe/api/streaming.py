@@ -52,8 +52,13 @@ class Releaser:
         self.tokens = 0  # tokens released so far
         self.chars = 0  # characters of the generated text released so far
         self.is_first = True
+        self.ended = False  # the chunk with this choice's finish_reason has gone out
 
     def release(self, group_index: int) -> Delta | None:
+        """The choice's next delta, or None when there is nothing new. The delta that carries the
+        finish_reason is the last: a choice that ended while the others go on sends nothing more."""
+        if self.ended:
+            return None
         seq = self.seq
         text = seq.text.text
         start = seq.text.offsets[0] if seq.text.offsets else 0
@@ -78,6 +83,7 @@ class Releaser:
                       top_ids, top_lps, seq.text.offsets[self.tokens:upto],
                       seq.finish_reason.value if seq.is_finished else None)
         self.tokens, self.chars, self.is_first = upto, chars, False
+        self.ended = seq.is_finished
         return delta
 
 

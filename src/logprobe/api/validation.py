@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import orjson
+
 from .errors import InvalidRequest
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -53,6 +55,12 @@ def get_int(body: dict, name: str, default, *, ge=INT64_MIN, le=INT64_MAX):
     if isinstance(value, float):
         if not math.isfinite(value) or value != int(value):
             raise type_error(name, "an integer")
+        # JSON integers beyond 64 bits reach here as floats (rounded: -2**63 - 1 reads as -2**63), so a
+        # float at or past the int64 bounds cannot be checked exactly: it is outside them.
+        if ge is not None and ge <= INT64_MIN and value <= INT64_MIN:
+            raise value_error(name, f"a value greater than or equal to {_fmt(ge)}")
+        if le is not None and le >= INT64_MAX and value >= 2.0**63:
+            raise value_error(name, f"a value less than or equal to {_fmt(le)}")
         value = int(value)
     check_bounds(name, value, ge=ge, le=le)
     return value
@@ -112,7 +120,8 @@ def check_known_fields(body: dict, known: set[str], unimplemented: dict[str, tup
         if name in unimplemented:
             if value in unimplemented[name]:
                 continue
+            neutral = orjson.dumps(unimplemented[name][-1]).decode()  # as JSON writes it: null, not None
             raise InvalidRequest(
                 f"Unsupported request argument supplied: {name} (logprobe does not implement it; "
-                f"leave it out or send {unimplemented[name][-1]!r}).", name)
+                f"leave it out or send {neutral}).", name)
         raise InvalidRequest(f"Unrecognized request argument supplied: {name}", name)

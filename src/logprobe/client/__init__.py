@@ -17,16 +17,54 @@ import numpy as np
 _DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2")}
 
 
-def dense_prompt_logprobs(prompt_logprobs: list, encoding: str = "float32") -> np.ndarray:
+def dense_prompt_logprobs(prompt_logprobs: list, encoding: str | None = None) -> np.ndarray:
     """[P, V] float32 log probabilities from a choice's dense `prompt_logprobs` (row 0, which no token
-    predicts, is NaN)."""
-    rows = [np.frombuffer(base64.b64decode(entry["logprobs"]), dtype=_DTYPES[encoding])
-            for entry in prompt_logprobs if entry is not None]
-    if not rows:
+    predicts, is NaN), whichever `vocab_encoding` the request asked for.
+
+    The width of each number is read from the answer itself: every entry also carries its token's own
+    `logprob`, which must be what the array holds at `token_id` (exactly for float32, to float16's
+    precision for float16). `encoding` ("float32" or "float16"), when given, is checked the same way.
+    An answer that neither width reads consistently raises ValueError instead of returning wrong numbers."""
+    if encoding is not None and encoding not in _DTYPES:
+        raise ValueError(f"unknown encoding {encoding!r}: use 'float32' or 'float16'")
+    entries = [(p, e) for p, e in enumerate(prompt_logprobs) if e is not None]
+    if not entries:
         return np.full((len(prompt_logprobs), 0), np.nan, dtype=np.float32)
-    out = np.full((len(prompt_logprobs), rows[0].shape[0]), np.nan, dtype=np.float32)
-    out[1:] = np.stack(rows).astype(np.float32)
+    raws = []
+    for p, e in entries:
+        if not isinstance(e, dict) or not isinstance(e.get("logprobs"), str):
+            raise ValueError(f"prompt_logprobs[{p}] is not a dense entry (send 'vocab_encoding' with "
+                             "'prompt_logprobs': -1)")
+        raws.append(base64.b64decode(e["logprobs"]))
+    candidates = [encoding] if encoding is not None else list(_DTYPES)
+    fits = [name for name in candidates if _reads_as(entries, raws, _DTYPES[name])]
+    if not fits:
+        tried = encoding or "float32 or float16"
+        raise ValueError(f"the dense prompt_logprobs do not read as {tried}: the arrays' values at token_id "
+                         "differ from the entries' logprob (or their lengths differ)")
+    rows = np.stack([np.frombuffer(raw, dtype=_DTYPES[fits[0]]) for raw in raws]).astype(np.float32)
+    out = np.full((len(prompt_logprobs), rows.shape[1]), np.nan, dtype=np.float32)
+    out[[p for p, _ in entries]] = rows
     return out
+
+
+def _reads_as(entries, raws, dtype: np.dtype) -> bool:
+    """Whether every raw array reads as `dtype` with the same length and holds each entry's logprob at
+    its token_id (float16 rounds: within half a float16 step)."""
+    if any(len(raw) % dtype.itemsize for raw in raws) or len({len(raw) for raw in raws}) != 1:
+        return False
+    width = len(raws[0]) // dtype.itemsize
+    for (_, e), raw in zip(entries, raws):
+        token, want = e.get("token_id"), e.get("logprob")
+        if not isinstance(token, int) or not 0 <= token < width or not isinstance(want, (int, float)):
+            return False
+        got = float(np.frombuffer(raw, dtype=dtype, count=1, offset=token * dtype.itemsize)[0])
+        tol = 0.0 if dtype.itemsize == 4 else 1e-3 * max(1.0, abs(want))
+        if np.isneginf(got) and want <= -9999.0:  # -inf is written -9999.0 in JSON
+            continue
+        if not abs(got - float(want)) <= tol:
+            return False
+    return True
 
 
 class TokenizationMismatch(RuntimeError):

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .request import FinishReason, Sequence, SequenceGroup
+from .request import FinishReason, SamplingParams, Sequence, SequenceGroup
 from . import fast_runner
 from .runner import ModelRunner
 from .sampler import sample_row
@@ -76,18 +76,31 @@ def describe_model(model, tokenizer, name: str, aliases: list[str]) -> ModelInfo
 
 
 class Engine:
-    def __init__(self, model, tokenizer, name: str, aliases: list[str] = (), fast: bool | None = None):
+    def __init__(self, model, tokenizer, name: str, aliases: list[str] = (), fast: bool | None = None,
+                 max_model_len: int | None = None, kv_cache_positions: int = 256):
         """`fast`: run Llama-family models on logprobe's own batched decode path (default: wherever the
-        architecture is supported); False keeps transformers' forward with a cache per request."""
+        architecture is supported); False keeps transformers' forward with a cache per request.
+        `max_model_len`: serve a shorter context than the model's (prompt + generated tokens), as vLLM's
+        option of that name. `kv_cache_positions`: positions per slot the batched KV cache starts with
+        (it doubles as sequences grow, up to the context, and returns to this size when idle)."""
         self.model = model
         self.tokenizer = tokenizer
         self.info = describe_model(model, tokenizer, name, list(aliases))
+        if max_model_len is not None:
+            if not 1 <= max_model_len <= self.info.context_length:
+                raise ValueError(f"max_model_len {max_model_len} is outside 1..{self.info.context_length} "
+                                 "(the model's context length)")
+            self.info.context_length = max_model_len
+        if kv_cache_positions < 1:
+            raise ValueError("kv_cache_positions must be at least 1")
         self.table = TokenTable.build(tokenizer, self.info.vocab_size)
         use_fast = fast_runner.supports(model) if fast is None else fast
         grids = getattr(model, "logprobe_int4", None)
         if grids is not None and not use_fast:
             raise ValueError("4-bit decode weights need the fast path")
-        self.runner = fast_runner.FastRunner(model, grids) if use_fast else ModelRunner(model)
+        self.runner = (fast_runner.FastRunner(model, grids, max_len=self.info.context_length,
+                                              kv_positions=kv_cache_positions)
+                       if use_fast else ModelRunner(model))
         self.info.quantization = "int4" if grids is not None else None
         self.scheduler = Scheduler(remaining=lambda g: g.num_prompt_tokens - self.runner.prefill_progress(g))
         self._inbox: queue.SimpleQueue[SequenceGroup | None] = queue.SimpleQueue()
@@ -98,7 +111,17 @@ class Engine:
         self.num_steps = 0
         self._last_prompt_only = 0  # groups in the last batch of prompt-only groups run alone
         self.step_observer = None  # called on the engine thread with (seconds, rows) after each step
+        self.failure_observer = None  # called on the engine thread with "step" or "request" after a failure
         self._prompt_encoders = {}
+        # Health: a step that fails (a bug in a shared pass or in shared state) fails the requests in it,
+        # resets the runner's shared state and queues a self-check; the engine is "failing" from that
+        # failure until a step succeeds again.
+        self.step_failures = 0
+        self.request_failures = 0
+        self.last_error: tuple[str, float] | None = None  # (exception class, time.time())
+        self.failing = False
+        self._check_due: float | None = None  # when the next self-check may run (while failing)
+        self._check_ids = (tokenizer("The", add_special_tokens=True).input_ids or [0])[:4]
 
     def prompt_encoder(self, as_ids: bool = False):
         """The per-model byte encoder of prompt_logprobs maps (built on first use)."""
@@ -169,9 +192,19 @@ class Engine:
             raise RuntimeError("the engine's step loop is already running")
         self._looping = True
         try:
-            self._run_steps()
+            with torch.inference_mode():  # nothing on this thread needs autograd
+                self._run_steps()
         finally:
             self._looping = False
+
+    @property
+    def health(self) -> dict:
+        """What /health reports of the engine: failing or not, and its failures so far."""
+        out = {"failing": self.failing, "step_failures": self.step_failures,
+               "request_failures": self.request_failures}
+        if self.last_error is not None:
+            out["last_error"] = {"type": self.last_error[0], "at": round(self.last_error[1], 3)}
+        return out
 
     def _run_steps(self) -> None:
         trimmed_at = self.num_steps
@@ -179,6 +212,9 @@ class Engine:
             idle = not self.scheduler.has_work
             self._drain_inbox(block=idle)
             if idle and not self.scheduler.has_work:
+                if self._check_due is not None and time.monotonic() >= self._check_due:
+                    self._queue_self_check()
+                    continue
                 if self.num_steps != trimmed_at:
                     # idle for IDLE_WAIT_S after work: shrink the KV cache and hand freed memory back to
                     # the OS (not between back-to-back requests: malloc_trim costs milliseconds)
@@ -197,18 +233,57 @@ class Engine:
             t0 = time.perf_counter()
             try:
                 self.step(plan)
-                if self.step_observer is not None:
-                    self.step_observer(time.perf_counter() - t0, rows)
-            except Exception as exc:  # a bug in a shared pass: fail its requests, keep serving the others
+            except Exception as exc:  # a bug in a shared pass: fail its requests, reset, check
                 log.exception("engine step failed for %s", ", ".join(g.request_id for g in plan.groups))
-                for group in plan.groups:
-                    if not group.is_finished and group.error is None:
-                        self._fail(group, exc)
+                self._step_failed(plan.groups, exc)
+                continue
+            if not self.runner.is_consistent(self.scheduler.running):
+                # a request's failure after the shared pass left shared state out of step
+                exc = RuntimeError("the KV cache is out of step with the running requests")
+                log.error("%s after a step of %s", exc, ", ".join(g.request_id for g in plan.groups))
+                self._step_failed(plan.groups, exc)
+                continue
+            self.failing, self._check_due = False, None
+            if self.step_observer is not None:
+                self.step_observer(time.perf_counter() - t0, rows)
+
+    SELF_CHECK_RETRY_S = 10.0  # while failing and idle, a self-check at most this often
+
+    def _step_failed(self, groups: list[SequenceGroup], exc: Exception) -> None:
+        """Fail the step's requests and every other one holding shared state, rebuild that state (the
+        KV cache) from nothing, and queue a self-check: a failure never leaves the engine half-broken,
+        and /health says "failing" until a step succeeds."""
+        self.step_failures += 1
+        self.failing = True
+        self.last_error = (type(exc).__name__, time.time())
+        if self.failure_observer is not None:
+            self.failure_observer("step")
+        holding = {id(g): g for g in [*groups, *self.scheduler.running, *self.scheduler.prefilling]}
+        for group in holding.values():
+            if not group.is_finished and group.error is None:
+                self._fail(group, exc)
+            else:
+                self.scheduler.finished(group)
+        try:
+            self.runner.reset()
+        except Exception:
+            log.exception("resetting the runner failed")
+        if self._check_due is None:  # the first failure after a success: check at the next idle moment
+            self._check_due = time.monotonic()
+
+    def _queue_self_check(self) -> None:
+        """A two-token greedy generation through the same paths as a request (prefill, a cache row,
+        decode): its steps succeeding clear "failing"; failing again keeps it (retried later)."""
+        self._check_due = time.monotonic() + self.SELF_CHECK_RETRY_S
+        params = SamplingParams(max_tokens=2, temperature=0.0)
+        self.scheduler.add(SequenceGroup("self-check", list(self._check_ids), params, self.table))
 
     def _fail(self, group: SequenceGroup, exc: Exception) -> None:
         group.error = exc
         try:
             self.runner.release(group)
+        except Exception:
+            log.exception("releasing %s failed", group.request_id)
         finally:
             self.scheduler.finished(group)
             self._finish(group)
@@ -220,6 +295,10 @@ class Engine:
             work(group, *args)
         except Exception as exc:
             log.exception("request %s failed", group.request_id)
+            self.request_failures += 1
+            self.last_error = (type(exc).__name__, time.time())
+            if self.failure_observer is not None:
+                self.failure_observer("request")
             self._fail(group, exc)
 
     IDLE_WAIT_S = 0.5  # an empty inbox for this long after work is "idle"

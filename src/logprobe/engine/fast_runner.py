@@ -111,7 +111,7 @@ class FastRunner(ModelRunner):
 
     INT4_MAX_ROWS = 8  # decode steps of up to this many rows read the 4-bit weights (when loaded)
 
-    def __init__(self, model, int4_grids: dict | None = None):
+    def __init__(self, model, int4_grids: dict | None = None, max_len: int | None = None, kv_positions: int = 256):
         super().__init__(model)
         cfg = self.config
         self.layers = self.decoder.layers
@@ -139,8 +139,10 @@ class FastRunner(ModelRunner):
         self.final_norm = rms_norm_of(self.decoder.norm)
         self.head = Linear.of(self.lm_head, pack)
         self.packed = pack
+        self.kv_positions = kv_positions
         self.cache = SlotCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device,
-                               max_len=int(getattr(cfg, "max_position_embeddings", 4096)))
+                               max_len=max_len or int(getattr(cfg, "max_position_embeddings", 4096)),
+                               capacity=kv_positions)
 
     @torch.no_grad()
     def _fuse_projections(self) -> None:
@@ -333,6 +335,17 @@ class FastRunner(ModelRunner):
             out = [None if o is None else lsm[o:o + 1] for o in out]
         return out
 
+    def reset(self) -> None:
+        """Forget every row and start from a new cache of the first size (after a failed step: the
+        engine has failed every group that held a row)."""
+        self.cache = SlotCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device,
+                               max_len=self.cache.max_len, capacity=self.kv_positions)
+
+    def is_consistent(self, running: list[SequenceGroup]) -> bool:
+        return self.cache.is_consistent() and len(self.cache.rows) == sum(len(getattr(g, "rows", ())) for g in running) and \
+            all(row.slot >= 0 and row.group is g for g in running for row in getattr(g, "rows", ()))
+
+    @torch.inference_mode()
     def expand(self, group: SequenceGroup, rows: int) -> None:
         """The prompt is done: give each choice a slot holding the prompt's keys and values."""
         state = group.cache
@@ -380,6 +393,7 @@ class FastRunner(ModelRunner):
             out.append(lsm[order])
         return out
 
+    @torch.inference_mode()
     def select(self, group: SequenceGroup, keep: list[int]) -> None:
         kept = []
         for position, row in enumerate(group.rows):
@@ -389,6 +403,7 @@ class FastRunner(ModelRunner):
                 self.cache.remove(row)
         group.rows = kept
 
+    @torch.inference_mode()
     def release(self, group: SequenceGroup) -> None:
         for row in getattr(group, "rows", None) or []:
             if row.slot >= 0:

@@ -81,7 +81,12 @@ def cache_root() -> Path:
 
 def gguf_cache_dir(gguf_path: str) -> Path:
     st = os.stat(gguf_path)
-    key = f"{CACHE_FORMAT}|{os.path.realpath(gguf_path)}|{st.st_size}|{int(st.st_mtime)}"
+    # transformers' version is part of the key: the tokenizer it converts from a GGUF file differs
+    # between versions (5.0 made SmolLM2's byte-level BPE a byte-fallback one), so a directory written
+    # by one version is never read by another.
+    import transformers
+
+    key = f"{CACHE_FORMAT}|{os.path.realpath(gguf_path)}|{st.st_size}|{int(st.st_mtime)}|{transformers.__version__}"
     return cache_root() / "gguf" / hashlib.sha256(key.encode()).hexdigest()[:20]
 
 
@@ -135,13 +140,20 @@ def _dequantize_gguf_to_cache(gguf_path: str, target: Path) -> None:
               metadata={"format": "pt"})
     config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    (tmp / "logprobe.json").write_text(json.dumps({"source": gguf_path, "format": CACHE_FORMAT}))
+    (tmp / "logprobe.json").write_text(json.dumps({"source": gguf_path, "format": CACHE_FORMAT,
+                                                   "transformers": _transformers_version()}))
     if target.exists():  # another process finished first
         import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)
     else:
         os.replace(tmp, target)
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 def ensure_cached(gguf_path: str) -> Path:

@@ -8,6 +8,8 @@ the top-k) before anything moves to numpy.
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import torch
 from transformers import DynamicCache
@@ -15,6 +17,31 @@ from transformers import DynamicCache
 from .request import PromptColumns, SequenceGroup
 
 POSITION_CHUNK = 256  # prompt positions whose logits are materialised at once
+
+
+class CacheIgnored(RuntimeError):
+    """transformers ran a forward pass without growing the KV cache it was given."""
+
+
+def cache_keyword(decoder) -> str:
+    """The name under which this transformers version's decoder takes a KV cache: `cache` from 5.24,
+    `past_key_values` before (5.24 still accepts the old name with a warning until 5.40). Read from the
+    forward's signature, because a wrong name is not an error: `**kwargs` swallows it and the pass runs
+    without a cache."""
+    params = inspect.signature(decoder.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return name
+    raise RuntimeError(f"{type(decoder).__name__}.forward takes neither `cache` nor `past_key_values`: "
+                       "this transformers version is not supported")
+
+
+def check_cache_length(cache, expected: int) -> None:
+    """A keyword the decoder ignored would leave the cache empty and every later token wrong: fail loudly."""
+    held = cache.get_seq_length()
+    if held != expected:
+        raise CacheIgnored(f"the KV cache holds {held} positions after a pass that should leave {expected}: "
+                           "transformers ignored the cache argument")
 
 
 class _Captured(Exception):
@@ -40,6 +67,7 @@ class ModelRunner:
         self.decoder = getattr(model, model.base_model_prefix)
         self.lm_head = model.get_output_embeddings()
         self.softcap = getattr(self.config, "final_logit_softcapping", None)
+        self.cache_kw = cache_keyword(self.decoder)
 
     def logprobs_of(self, hidden: torch.Tensor) -> torch.Tensor:
         """Raw next-token log probabilities, float32, for hidden states [..., D]."""
@@ -54,7 +82,8 @@ class ModelRunner:
         the log probabilities of the first token to generate ([1, V])."""
         ids = torch.tensor([group.prompt_ids], dtype=torch.long, device=self.device)
         cache = DynamicCache(config=self.config)
-        hidden = self.decoder(input_ids=ids, cache=cache, use_cache=True).last_hidden_state[0]  # [P, D]
+        hidden = self.decoder(input_ids=ids, use_cache=True, **{self.cache_kw: cache}).last_hidden_state[0]  # [P, D]
+        check_cache_length(cache, ids.shape[1])
         group.cache = cache
         if group.params.needs_prompt_logits:
             group.prompt_columns = self._prompt_columns(hidden, ids[0], group.params.num_prompt_top,
@@ -122,7 +151,9 @@ class ModelRunner:
     def decode(self, group: SequenceGroup, last_tokens: list[int]) -> torch.Tensor:
         """One decode step for the group's active rows; returns their log probabilities [B, V]."""
         ids = torch.tensor(last_tokens, dtype=torch.long, device=self.device)[:, None]
-        hidden = self.decoder(input_ids=ids, cache=group.cache, use_cache=True).last_hidden_state
+        held = group.cache.get_seq_length()
+        hidden = self.decoder(input_ids=ids, use_cache=True, **{self.cache_kw: group.cache}).last_hidden_state
+        check_cache_length(group.cache, held + 1)
         return self.logprobs_of(hidden[:, -1])
 
     @torch.inference_mode()
@@ -196,3 +227,9 @@ class ModelRunner:
 
     def release(self, group: SequenceGroup) -> None:
         group.cache = None
+
+    def reset(self) -> None:
+        """Drop shared state after a failed step (this runner keeps none: each cache is its request's)."""
+
+    def is_consistent(self, running: list[SequenceGroup]) -> bool:
+        return all(g.cache is not None for g in running)

@@ -107,8 +107,10 @@ class TextAssembler:
         self.length = start
         self.offsets: list[int] = []
 
-    def add(self, token_id: int) -> str:
-        raw = self._table.text_bytes(token_id)
+    def add(self, token_id: int, special_text: bool = False) -> str:
+        """Append a token's text; a special token adds its own text only with `special_text` (an
+        echoed prompt spells its special tokens, generated text does not)."""
+        raw = self._table.token_bytes[token_id] if special_text else self._table.text_bytes(token_id)
         pending = self._decoder.getstate()[0]
         piece = self._decoder.decode(raw)
         offset = self.length

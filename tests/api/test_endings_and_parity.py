@@ -1,0 +1,194 @@
+"""Each streamed choice ends exactly once; behaviour that code written for vLLM relies on; small
+messages; the client's dense reader. On the tiny model."""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from logprobe.api.app import create_app
+from logprobe.client import dense_prompt_logprobs
+
+from test_streaming_and_chat import events  # noqa: E402 (same folder)
+
+
+def stop_ending_only(texts: list[str], which: int = 0) -> str:
+    """A stop string found early in texts[which] and in none of the others (so that choice ends first
+    and the others go on)."""
+    text = texts[which]
+    for length in (4, 3, 5, 6):
+        for start in range(1, max(1, len(text) - length)):
+            s = text[start:start + length]
+            if s.strip() and all(s not in t for i, t in enumerate(texts) if i != which) and text.find(s) == start:
+                return s
+    pytest.skip("no distinguishing stop string in these texts")
+
+
+def choice_endings(chunks, index_of=lambda ch: ch["index"]):
+    """{choice index: [position in the stream of each chunk with a finish_reason]}, and the position of
+    each choice's last chunk."""
+    ends, last = {}, {}
+    for pos, c in enumerate(chunks):
+        for ch in c["choices"]:
+            last[index_of(ch)] = pos
+            if ch["finish_reason"] is not None:
+                ends.setdefault(index_of(ch), []).append(pos)
+    return ends, last
+
+
+def test_streamed_choices_end_exactly_once(client):
+    base = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 20, "seed": 7, "n": 2, "logprobs": 1}
+    plain = client.post("/v1/completions", json=base).json()
+    stop = stop_ending_only([c["text"] for c in plain["choices"]])
+    body = {**base, "stop": [stop]}
+    plain = client.post("/v1/completions", json=body).json()
+    assert plain["choices"][0]["finish_reason"] == "stop"
+    assert len(plain["choices"][1]["logprobs"]["tokens"]) > len(plain["choices"][0]["logprobs"]["tokens"])
+    chunks = events(client, "/v1/completions", {**body, "stream": True})
+    ends, last = choice_endings(chunks)
+    assert {i: len(e) for i, e in ends.items()} == {0: 1, 1: 1}
+    assert all(ends[i][0] == last[i] for i in ends)  # nothing of a choice after its end
+    for choice in plain["choices"]:
+        parts = [ch for c in chunks for ch in c["choices"] if ch["index"] == choice["index"]]
+        assert "".join(p["text"] for p in parts) == choice["text"]
+        assert sum((p["logprobs"]["tokens"] for p in parts if p["logprobs"]), []) == choice["logprobs"]["tokens"]
+        assert parts[-1]["finish_reason"] == choice["finish_reason"]
+
+
+def test_streamed_chat_choices_end_exactly_once(client):
+    base = {"model": "tiny", "messages": [{"role": "user", "content": "Tell a story"}], "max_tokens": 20,
+            "seed": 7, "n": 3}
+    plain = client.post("/v1/chat/completions", json=base).json()
+    stop = stop_ending_only([c["message"]["content"] for c in plain["choices"]])
+    body = {**base, "stop": stop}
+    plain = client.post("/v1/chat/completions", json=body).json()
+    chunks = events(client, "/v1/chat/completions", {**body, "stream": True})
+    ends, last = choice_endings(chunks)
+    assert {i: len(e) for i, e in ends.items()} == {0: 1, 1: 1, 2: 1}
+    assert all(ends[i][0] == last[i] for i in ends)
+    for choice in plain["choices"]:
+        parts = [ch for c in chunks for ch in c["choices"] if ch["index"] == choice["index"]]
+        assert "".join(p["delta"].get("content", "") for p in parts) == choice["message"]["content"]
+        assert parts[-1]["finish_reason"] == choice["finish_reason"]
+
+
+# ---- differences from vLLM ------------------------------------------------------------------------
+
+def test_chat_prompt_logprobs_is_null_when_not_asked(client):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    out = client.post("/v1/chat/completions", json=body).json()
+    assert "prompt_logprobs" in out and out["prompt_logprobs"] is None
+    asked = client.post("/v1/chat/completions", json={**body, "prompt_logprobs": 1}).json()
+    assert isinstance(asked["prompt_logprobs"], list) and asked["prompt_logprobs"][0] is None
+
+
+@pytest.mark.parametrize("seed,ok", [(-2**63, True), (-2**63 - 1, False), (-2**63 - 1025, False),
+                                     (2**63 - 1, True), (2**63, False), (2**64, False)])
+def test_seed_bounds_are_checked_on_the_integer(client, seed, ok):
+    raw = json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 1, "seed": seed}).encode()
+    r = client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    if ok:
+        assert r.status_code == 200, r.text
+        return
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "seed"
+    bound = "greater than or equal to -9223372036854775808" if seed < 0 else \
+        "less than or equal to 9223372036854775807"
+    assert err["message"] == f"Invalid value for 'seed': expected a value {bound}."
+
+
+def test_echo_of_token_ids_spells_special_tokens(client, tiny_engine):
+    """vLLM echoes a token-id prompt decoded with its special tokens: the tokens spell the text."""
+    body = {"model": "tiny", "prompt": [0, 0, 0, 0, 0], "echo": True, "logprobs": 1, "max_tokens": 3,
+            "temperature": 0}
+    choice = client.post("/v1/completions", json=body).json()["choices"][0]
+    lp = choice["logprobs"]
+    eot = tiny_engine.tokenizer.convert_ids_to_tokens(0)
+    assert choice["text"].startswith(eot * 5)
+    assert lp["tokens"][:5] == [eot] * 5
+    assert lp["text_offset"][:5] == [0, len(eot), 2 * len(eot), 3 * len(eot), 4 * len(eot)]
+    assert "".join(lp["tokens"]) == choice["text"]  # every token of this model is whole UTF-8 here
+    text = choice["text"]
+    for i, (tok, off) in enumerate(zip(lp["tokens"], lp["text_offset"])):
+        end = lp["text_offset"][i + 1] if i + 1 < len(lp["tokens"]) else len(text)
+        assert text[off:end] == tok
+    decoded = tiny_engine.tokenizer.decode([0] * 5)  # what vLLM echoes
+    assert text.startswith(decoded)
+
+
+def test_echo_of_text_prompt_is_the_text_as_sent(client, tiny_engine):
+    eot = tiny_engine.tokenizer.convert_ids_to_tokens(0)
+    prompt = eot + "The sky"
+    body = {"model": "tiny", "prompt": prompt, "echo": True, "logprobs": 0, "max_tokens": 2}
+    choice = client.post("/v1/completions", json=body).json()["choices"][0]
+    assert choice["text"].startswith(prompt)
+    lp = choice["logprobs"]
+    assert lp["tokens"][0] == eot and lp["text_offset"][:2] == [0, len(eot)]
+
+
+# ---- small messages -------------------------------------------------------------------------------
+
+def test_unimplemented_fields_name_their_json_value(client):
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "suffix": "tail"})
+    msg = r.json()["error"]["message"]
+    assert r.status_code == 400 and "send null" in msg and "None" not in msg
+    r = client.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                                                  "tool_choice": "auto"})
+    assert 'send "none"' in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path,field", [("/v1/completions", "max_tokens"), ("/v1/chat/completions", "max_tokens"),
+                                        ("/v1/chat/completions", "max_completion_tokens")])
+def test_huge_max_tokens_names_the_context(client, tiny_engine, path, field):
+    body = {"model": "tiny", field: 1e20}
+    body.update({"prompt": "x"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]})
+    err = client.post(path, json=body).json()["error"]
+    ctx = tiny_engine.info.context_length
+    assert err["message"].startswith(f"This model's maximum context length is {ctx} tokens.")
+    assert "9223372036854775807" not in err["message"] and err["param"] == field
+
+
+def test_health_probes_while_loading_are_not_logged(caplog):
+    app = create_app(None)
+    with TestClient(app, raise_server_exceptions=False) as c, caplog.at_level(logging.INFO, logger="logprobe.access"):
+        for _ in range(5):
+            assert c.get("/health").status_code == 503
+        c.post("/v1/completions", json={"model": "tiny", "prompt": "x"})  # a refused API call is logged
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "logprobe.access"]
+    assert [x["path"] for x in lines] == ["/v1/completions"] and lines[0]["status"] == 503
+
+
+# ---- the client's dense reader --------------------------------------------------------------------
+
+@pytest.mark.parametrize("encoding", ["float32", "float16"])
+def test_dense_reader_reads_the_width_from_the_answer(client, tiny_engine, encoding):
+    body = {"model": "tiny", "prompt": "Dense rows here", "max_tokens": 0, "prompt_logprobs": -1,
+            "vocab_encoding": encoding}
+    entries = client.post("/v1/completions", json=body).json()["choices"][0]["prompt_logprobs"]
+    full = client.post("/v1/completions", json={**body, "vocab_encoding": None}).json()["choices"][0]["prompt_logprobs"]
+    vocab = tiny_engine.info.vocab_size
+    for enc in (None, encoding):
+        dense = dense_prompt_logprobs(entries, enc)
+        assert dense.shape == (len(entries), vocab) and np.isnan(dense[0]).all()
+        for pos in range(1, len(entries)):  # the JSON form's numbers, to the encoding's precision
+            want = np.array([full[pos][str(i)]["logprob"] for i in range(vocab)])
+            np.testing.assert_allclose(dense[pos], want, rtol=1e-3 if encoding == "float16" else 0, atol=1e-6)
+    other = "float32" if encoding == "float16" else "float16"
+    with pytest.raises(ValueError, match="do not read as"):
+        dense_prompt_logprobs(entries, other)
+
+
+def test_dense_reader_refuses_what_it_cannot_read():
+    raw = base64.b64encode(np.arange(7, dtype="<f2").tobytes()).decode()  # 14 bytes: float16 only
+    with pytest.raises(ValueError):
+        dense_prompt_logprobs([None, {"token_id": 3, "logprob": -1.0, "rank": 1, "logprobs": raw}])
+    with pytest.raises(ValueError, match="not a dense entry"):
+        dense_prompt_logprobs([None, {"token_id": 3, "logprob": -1.0, "rank": 1, "top_logprobs": {}}])
+    ok = [None, {"token_id": 3, "logprob": 3.0, "rank": 1, "logprobs": raw}]
+    assert dense_prompt_logprobs(ok).shape == (2, 7)
