@@ -13,6 +13,7 @@ from pathlib import Path
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import FileResponse, Response
 from starlette.staticfiles import StaticFiles
@@ -21,6 +22,7 @@ from ..config import AdmissionSettings, Limits
 from .admission import Admission
 from .errors import APIError, InternalError, InvalidAPIKey, Unavailable, error_response, new_request_id
 from .metrics import Metrics
+from .schema import add_request_bodies
 from .routes import ClientGone, router
 
 log = logging.getLogger("logprobe.api")
@@ -180,8 +182,19 @@ def create_app(engine, limits: Limits | None = None, admission: AdmissionSetting
         app.state.loop = asyncio.get_running_loop()  # for the SIGTERM drain, which runs in another thread
         yield
 
-    app = FastAPI(title="logprobe", version="0.1.0", lifespan=lifespan,
-                  description="OpenAI-compatible server for a language model's log probabilities.")
+    # /docs and /redoc with their scripts and styles served from the fastapi-offline package, not a CDN
+    app = FastAPIOffline(title="logprobe", version="0.1.0", lifespan=lifespan,
+                         description="OpenAI-compatible server for a language model's log probabilities. "
+                                     "`/metrics` (Prometheus text) and the playground `/` are left out of "
+                                     "this schema on purpose.")
+    build_schema = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = add_request_bodies(build_schema())
+        return app.openapi_schema
+
+    app.openapi = openapi
     app.state.engine = None
     app.state.limits = limits or Limits()
     app.state.settings = admission or AdmissionSettings()

@@ -275,11 +275,15 @@ async def get_model(request: Request, model: str):
     return _json(model_card(engine, request.app.state.limits))
 
 
+TOKENIZE_FIELDS = {"model", "prompt", "add_special_tokens"}
+DETOKENIZE_FIELDS = {"model", "tokens"}
+
+
 @router.post("/tokenize")
 async def tokenize(request: Request):
     """Text -> token ids, with the model's special tokens unless `add_special_tokens` is false."""
     body = await read_json(request)
-    v.check_known_fields(body, {"model", "prompt", "add_special_tokens"}, {})
+    v.check_known_fields(body, TOKENIZE_FIELDS, {})
     engine = resolve_model(request, v.get_str(body, "model"), required=False)
     prompt = v.get_str(body, "prompt", required=True)
     add = v.get_bool(body, "add_special_tokens", True)
@@ -291,7 +295,7 @@ async def tokenize(request: Request):
 async def detokenize(request: Request):
     """Token ids -> text."""
     body = await read_json(request)
-    v.check_known_fields(body, {"model", "tokens"}, {})
+    v.check_known_fields(body, DETOKENIZE_FIELDS, {})
     engine = resolve_model(request, v.get_str(body, "model"), required=False)
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
