@@ -1,9 +1,9 @@
-"""Benchmarks 1, 2, 4 and 5 of PERFORMANCE.md, logprobe against its peers in one run.
+"""Throughput workloads 1, 2, 4 and 5 (docs/performance.md), logprobe against its peers in one run.
 
 1. Scoring: 64 texts of 128 tokens, prompt log probabilities with the 5 likeliest (echo + logprobs 5),
    4 concurrent clients; prompt tokens per second. Peers: llama-cpp-python's server on the same GGUF
    (echo + logprobs 5, max_tokens 1), a hand-written transformers float32 loop (forward, log_softmax,
-   top-5, one text at a time), and the model's float32 FLOP limit from PERFORMANCE.md.
+   top-5, one text at a time), and the model's float32 FLOP limit of these machines (770 prompt tok/s for the bundled model).
 2. Generation: 1 and 16 concurrent streams, 64 new tokens each, logprobs 5, greedy; aggregate tokens
    per second and median time to first token. Peers: llama-cpp-python's server (1 stream without
    logprobs; 16 streams with logprobs 5), transformers `generate` for one stream.
@@ -338,7 +338,7 @@ def main() -> None:
     print(f"\nconditions: {cond}; llama-cpp-python 0.3.36 on the same Q4_1 GGUF; transformers float32")
     rows.append(("1. scoring, 64 x 128 tokens, echo+logprobs 5, 4 clients (prompt tok/s)", lp_score,
                  [("transformers f32 loop", hf_score), ("llama-cpp-python", llama and llama["score"]),
-                  ("f32 FLOP limit (PERFORMANCE.md)", 770.0)]))
+                  ("f32 FLOP limit of these machines", 770.0)]))
     rows.append(("2a. generation, 1 stream, logprobs 5 (tok/s)", lp_gen1,
                  [("transformers generate f32", hf_gen), ("llama-cpp-python 1 stream, no logprobs",
                                                          llama and llama["gen1"][0])]))

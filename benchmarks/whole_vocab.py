@@ -1,4 +1,4 @@
-"""Benchmark 3 of PERFORMANCE.md: `prompt_logprobs: -1` on 256 prompt tokens.
+"""The whole-vocabulary benchmark (docs/performance.md): `prompt_logprobs: -1` on 256 prompt tokens.
 
 logprobe: a real `logprobe serve` process on the bundled model; seconds from sending the request to the
 last byte of the response (streamed and discarded by the client), and the server's peak RSS growth

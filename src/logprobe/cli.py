@@ -45,10 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a key clients must send as Authorization: Bearer KEY (repeatable)")
     auth.add_argument("--api-key-file", default=env_default("api_key_file", None), metavar="PATH",
                       help="a file of keys, one per line (# starts a comment)")
-    caps = serve.add_argument_group("size caps (API.md section 8)")
+    caps = serve.add_argument_group("size caps (docs/api.md, section 8)")
     for f in fields(Limits):
         caps.add_argument("--" + f.name.replace("_", "-"), type=int, default=env_default(f.name, f.default))
-    hold = serve.add_argument_group("the hold, queue and time limits (API.md section 10)")
+    hold = serve.add_argument_group("the hold, queue and time limits (docs/serving.md)")
     for f in fields(AdmissionSettings):
         hold.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=env_default(f.name, f.default))
     score = sub.add_parser("score", help="print a text's per-token log probabilities (no server needed)")

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, fields
 
 @dataclass
 class Limits:
-    """The size caps of API.md section 8. Each is a server option; /v1/models/{model} reports them."""
+    """The size caps (docs/api.md, section 8). Each is a server option; /v1/models/{model} reports them."""
 
     max_logprobs: int = 100  # logprobs, prompt_logprobs k, top_logprobs
     max_vocab_positions: int = 256  # prompt_logprobs -1: prompt tokens x n, summed over prompts
@@ -47,7 +47,7 @@ class Settings:
 
 @dataclass
 class AdmissionSettings:
-    """The hold (API.md section 10) and the time limits around it."""
+    """The hold (docs/serving.md) and the time limits around it."""
 
     tokens_per_minute: int = 0  # per API key (0: no budget); one shared budget when no key is configured
     max_queue: int = 256  # requests waiting for their hold; one more gets 429

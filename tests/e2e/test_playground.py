@@ -136,3 +136,53 @@ def test_phone_sized_screen(browser, server, tmp_path):
     assert pg.evaluate("document.documentElement.scrollWidth") <= 390 + 1  # nothing runs off the side
     shot(pg, "phone.png", tmp_path)
     ctx.close()
+
+
+PHONE = {"width": 390, "height": 844}
+# Wraps over several lines at 390 px, and holds a 64-character token (one run of '#') whose tooltip has to wrap.
+LONG_TEXT = ("# Notes\n" + "#" * 64 + "\nThe quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat "
+             "by the window, and nobody notices the rain outside.")
+OUTSIDE = """(w) => [tooltip, ...tooltip.querySelectorAll('*')].flatMap((e) => {
+  const r = e.getBoundingClientRect();
+  return r.left < 0 || r.right > w ? [`${e.tagName} ${e.textContent.slice(0, 20)} [${r.left}, ${r.right}]`] : [];
+})"""
+
+
+def test_phone_tooltip_and_model_select_stay_on_screen(browser, server):
+    width = PHONE["width"]
+    ctx = browser.new_context(viewport=PHONE)
+    pg = ctx.new_page()
+    errors = []
+    pg.on("pageerror", lambda e: errors.append(str(e)))
+    pg.goto(server + "/")
+    pg.wait_for_selector("#model option", state="attached")
+    pg.fill("#score-text", LONG_TEXT)
+    pg.click("#score-run")
+    pg.wait_for_function("document.querySelector('#score-status').textContent.startsWith('Scored')")
+    boxes = pg.evaluate("""[...document.querySelectorAll('#score-tokens .tok')].map((s) => {
+      const r = s.getBoundingClientRect();
+      return {text: s.textContent, right: r.right, top: r.top, pieces: s.getClientRects().length}; })""")
+    assert len({round(b["top"]) for b in boxes}) > 3  # the text wraps
+    # The token that ends furthest right on its line (one that wraps spans two lines and starts at the left).
+    edge = max((i for i, b in enumerate(boxes) if b["pieces"] == 1), key=lambda i: boxes[i]["right"])
+    assert boxes[edge]["right"] > width - 80
+    long = next(i for i, b in enumerate(boxes) if b["text"] == "#" * 64)
+    tokens = pg.locator("#score-tokens .tok")
+    # Hover (the pointer) and focus (the keyboard), after a tooltip stood elsewhere and from none open.
+    for open_ in (lambda i: tokens.nth(i).hover(), lambda i: tokens.nth(i).focus()):
+        for i in (0, edge, long, edge):
+            open_(i)
+            assert pg.is_visible("#tooltip")
+            tip = pg.locator("#tooltip").bounding_box()
+            assert 0 <= tip["x"] and tip["x"] + tip["width"] <= width, (boxes[i]["text"], tip)
+            assert tip["width"] <= width - 8
+            assert pg.evaluate(OUTSIDE, width) == [], boxes[i]["text"]  # nothing in it spills past the edges
+        pg.keyboard.press("Escape")
+    select = pg.locator("#model").bounding_box()
+    assert select["x"] >= 0 and select["x"] + select["width"] <= width
+    header_right = pg.evaluate("""(() => { const h = document.querySelector('header');
+      return h.getBoundingClientRect().right - parseFloat(getComputedStyle(h).paddingRight); })()""")
+    assert select["x"] + select["width"] <= header_right + 0.5  # inside the header's padding, not over it
+    assert pg.evaluate("document.documentElement.scrollWidth") <= width  # no horizontal scroll
+    ctx.close()
+    assert not errors, errors

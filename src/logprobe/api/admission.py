@@ -1,4 +1,4 @@
-"""The hold (API.md section 10): admission of checked requests against the server's capacity and each
+"""The hold (docs/serving.md): admission of checked requests against the server's capacity and each
 key's token budget.
 
 A request that has passed every check holds `(prompt tokens + max_tokens) x n`, summed over its

@@ -144,7 +144,7 @@ def check_text_length(engine, texts, param: str) -> None:
 def check_request_caps(engine, prompts: list[list[int]], params: SamplingParams,
                        residual: ResidualRequest | None, limits: Limits, prompt_param: str = "prompt",
                        max_tokens_param: str = "max_tokens", positions_param: str | None = None) -> None:
-    """Every cap of API.md section 8 that depends on the tokenized prompts, and the context length."""
+    """Every cap of docs/api.md section 8 that depends on the tokenized prompts, and the context length."""
     ctx = engine.info.context_length
     for ids in prompts:
         total = len(ids) + params.max_tokens

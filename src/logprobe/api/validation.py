@@ -1,6 +1,6 @@
 """Field checks with the contract's exact messages.
 
-Every numeric field answers with the same templates (API.md 2.1):
+Every numeric field answers with the same templates (docs/api.md, section 2.1):
   `Invalid type for 'NAME': expected a number or null.`
   `Invalid value for 'NAME': expected a value greater than or equal to MIN.`
   `Invalid value for 'NAME': expected a value less than or equal to MAX.`

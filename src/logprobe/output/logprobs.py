@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-NEG_INF_WIRE = -9999.0  # how -inf is written (API.md section 1)
+NEG_INF_WIRE = -9999.0  # how -inf is written (docs/api.md, section 1)
 
 
 def wire_floats(values: np.ndarray) -> np.ndarray:

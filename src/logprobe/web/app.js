@@ -92,11 +92,20 @@ function showTooltip(anchor, info, onPick) {
   }
   tooltip.appendChild(table);
   tooltip.hidden = false;
+  placeTooltip(anchor);
+}
+const TIP_MARGIN = 8;              // px kept free between the tooltip and the viewport's edges
+function placeTooltip(anchor) {
+  // The layout viewport without scrollbars (what position: fixed is relative to); innerWidth counts a scrollbar.
+  const vw = document.documentElement.clientWidth, vh = document.documentElement.clientHeight;
+  tooltip.style.maxWidth = Math.max(0, Math.min(340, vw - 2 * TIP_MARGIN)) + "px";
+  // Measure at the left edge: where the last tooltip stood, the width left to it would shrink this one.
+  tooltip.style.left = "0px"; tooltip.style.top = "0px";
   const r = anchor.getBoundingClientRect();
   const w = tooltip.offsetWidth, h = tooltip.offsetHeight;
-  let left = Math.min(Math.max(4, r.left), window.innerWidth - w - 4);
+  const left = Math.max(0, Math.min(Math.max(TIP_MARGIN, r.left), vw - w - TIP_MARGIN));  // left >= 0, right <= vw
   let top = r.bottom + 6;
-  if (top + h > window.innerHeight) top = Math.max(4, r.top - h - 6);
+  if (top + h > vh) top = Math.max(TIP_MARGIN, r.top - h - 6);
   tooltip.style.left = left + "px"; tooltip.style.top = top + "px";
 }
 let hideTimer = null;
