@@ -122,6 +122,18 @@ def test_echo_of_token_ids_spells_special_tokens(client, tiny_engine):
     assert text.startswith(decoded)
 
 
+def test_echo_of_token_ids_gives_bos_no_text(client, tiny_engine):
+    """The contract's echo: "no BOS text", also for a token-id prompt (where it and vLLM differ)."""
+    bos = tiny_engine.info.bos_token_id
+    eot = tiny_engine.tokenizer.convert_ids_to_tokens(0)
+    body = {"model": "tiny", "prompt": [bos, 0, bos, 0], "echo": True, "logprobs": 0, "max_tokens": 0}
+    choice = client.post("/v1/completions", json=body).json()["choices"][0]
+    lp = choice["logprobs"]
+    assert choice["text"] == eot * 2
+    assert lp["tokens"] == [tiny_engine.tokenizer.bos_token, eot, tiny_engine.tokenizer.bos_token, eot]
+    assert lp["text_offset"] == [0, 0, len(eot), len(eot)]
+
+
 def test_echo_of_text_prompt_is_the_text_as_sent(client, tiny_engine):
     eot = tiny_engine.tokenizer.convert_ids_to_tokens(0)
     prompt = eot + "The sky"

@@ -82,3 +82,19 @@ def test_sampling_at_extreme_temperatures_picks_a_real_token():
                 assert token == int(row.argmax())  # vanishing temperature or top_p: the likeliest
             else:
                 assert 0 <= token < 1000
+
+
+def test_gguf_cache_is_per_transformers_version(tmp_path, monkeypatch):
+    """A directory dequantized by one transformers version (its tokenizer conversion differs between
+    versions) is never read by another."""
+    import transformers
+
+    from logprobe.engine import loader
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setenv("LOGPROBE_CACHE_DIR", str(tmp_path / "cache"))
+    here = loader.gguf_cache_dir(str(gguf))
+    assert loader.gguf_cache_dir(str(gguf)) == here
+    monkeypatch.setattr(transformers, "__version__", "5.0.0")
+    assert loader.gguf_cache_dir(str(gguf)) != here

@@ -133,15 +133,17 @@ def check_caps(engine, req: CompletionRequest, prompts: list[Prompt], limits: Li
 
 def echo_of(engine, prompt: Prompt, added_special: bool) -> tuple[str, list[int]]:
     """The echoed prompt text and each prompt token's offset in it. Special tokens spell their own text
-    (`<|endoftext|>`), so the tokens always spell the echoed text, as in vLLM; the one exception is the
-    BOS the server added in front of a text prompt, which has no text (the contract: the text starts
-    with your prompt, and `text[len(prompt):]` is the generated text). A text prompt is echoed as sent."""
+    (`<|endoftext|>`), so the echoed tokens spell the echoed text, as in vLLM, except BOS, which has no
+    text (the contract: "no BOS text"): on a token-id prompt every BOS token, on a text prompt the BOS the
+    tokenizer added in front (a text prompt is echoed as sent, so a special token written in the text
+    keeps its text, and `text[len(prompt):]` is the generated text)."""
     ids = prompt.token_ids
     bos = engine.info.bos_token_id
     added_bos = prompt.text is not None and added_special and engine.info.adds_bos and ids and ids[0] == bos
     asm = TextAssembler(engine.table)
     for i, t in enumerate(ids):
-        asm.add(t, special_text=not (added_bos and i == 0))
+        silent = t == bos and (prompt.text is None or (added_bos and i == 0))
+        asm.add(t, special_text=not silent)
     asm.finish()
     text = prompt.text if prompt.text is not None else asm.text
     return text, [min(o, len(text)) for o in asm.offsets]

@@ -84,9 +84,7 @@ def gguf_cache_dir(gguf_path: str) -> Path:
     # transformers' version is part of the key: the tokenizer it converts from a GGUF file differs
     # between versions (5.0 made SmolLM2's byte-level BPE a byte-fallback one), so a directory written
     # by one version is never read by another.
-    import transformers
-
-    key = f"{CACHE_FORMAT}|{os.path.realpath(gguf_path)}|{st.st_size}|{int(st.st_mtime)}|{transformers.__version__}"
+    key = f"{CACHE_FORMAT}|{os.path.realpath(gguf_path)}|{st.st_size}|{int(st.st_mtime)}|{_transformers_version()}"
     return cache_root() / "gguf" / hashlib.sha256(key.encode()).hexdigest()[:20]
 
 
