@@ -45,7 +45,7 @@ def score_all(dtype: str):
         groups = [SequenceGroup("b", tok(text).input_ids, SamplingParams(max_tokens=0, prompt_logprobs=-1,
                                                                          echo=True, logprobs=1), engine.table)
                   for text in CORPUS]
-        asyncio.run(engine.run(groups))
+        asyncio.run(engine.run_groups(groups))
         return [(g.prompt_columns.logprobs[1:].copy(), g.prompt_columns.full[1:].copy()) for g in groups]
     finally:
         engine.stop()

@@ -122,7 +122,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from logprobe.engine import loader
-    from logprobe.engine.tokenizer import TokenTable
+    from logprobe.tokens import TokenTable
 
     tok = AutoTokenizer.from_pretrained(str(loader.ensure_cached(str(loader.bundled_gguf_path()))))
     names = TokenTable.build(tok, lps.shape[1]).strings.tolist()

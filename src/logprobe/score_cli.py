@@ -34,9 +34,8 @@ def score_in_process(args) -> dict:
             scoring.check_caps(engine, req, items, limits)
         except APIError as exc:
             raise SystemExit(f"logprobe score: {exc.message}") from None
-        groups = scoring.build_groups(engine, req, items, "cli")
-        asyncio.run(engine.run(groups))
-        return scoring.format_response(engine, req, items, groups)
+        outputs = asyncio.run(engine.run(scoring.build_requests(engine, req, items, "cli")))
+        return scoring.format_response(engine, req, items, outputs)
     finally:
         engine.stop()
 

@@ -17,7 +17,7 @@ TOL = 1e-5
 
 
 def run(engine, groups):
-    asyncio.run(engine.run(groups))
+    asyncio.run(engine.run_groups(groups))
     return groups
 
 

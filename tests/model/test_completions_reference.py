@@ -191,7 +191,7 @@ def test_eos_gives_finish_reason_stop(client, tiny_engine, reference):
     group = SequenceGroup("t", ids, params, tiny_engine.table)
     import asyncio
 
-    asyncio.run(tiny_engine.run([group]))
+    asyncio.run(tiny_engine.run_groups([group]))
     seq = group.sequences[0]
     assert seq.token_ids == [first] and seq.finish_reason.value == "stop"
 

@@ -17,7 +17,7 @@ from logprobe.engine.request import SamplingParams, SequenceGroup
 
 
 def run(engine, groups):
-    asyncio.run(engine.run(groups))
+    asyncio.run(engine.run_groups(groups))
     return groups
 
 

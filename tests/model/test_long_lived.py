@@ -205,7 +205,7 @@ def test_hf_runner_uses_this_transformers_cache_keyword(tiny_model, tokenizer):
     decoder ignores (swallowed by **kwargs) fails loudly instead of giving wrong numbers."""
     from logprobe.engine.request import SamplingParams, SequenceGroup
     from logprobe.engine.runner import CacheIgnored, ModelRunner
-    from logprobe.engine.tokenizer import TokenTable
+    from logprobe.tokens import TokenTable
     import inspect
 
     runner = ModelRunner(tiny_model)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from logprobe.engine.tokenizer import TextAssembler, TokenTable, token_string
+from logprobe.tokens import TextAssembler, TokenTable, token_string
 from logprobe.output.logprobs import TokenNamer, legacy_logprobs, ranks_of_top, wire_floats
 
 

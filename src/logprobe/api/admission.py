@@ -70,6 +70,39 @@ class TokenBucket:
         return (self.size - self.level) / self.rate
 
 
+def budget_headers(bucket: TokenBucket, per_minute: int, now: float) -> dict:
+    """OpenAI's x-ratelimit-*-tokens headers of a key's bucket."""
+    bucket.refill(now)
+    return {"x-ratelimit-limit-tokens": str(per_minute),
+            "x-ratelimit-remaining-tokens": str(int(bucket.level)),
+            "x-ratelimit-reset-tokens": duration(bucket.reset_in(now))}
+
+
+def never_fits_budget(tokens: int, per_minute: int, headers: dict) -> RateLimited:
+    return RateLimited(
+        f"This request needs {tokens} tokens, more than your key's budget of {per_minute} "
+        "tokens per minute (tokens_per_minute); it can never run. Reduce max_tokens, n or the prompts.",
+        60, headers)
+
+
+def budget_wait_too_long(tokens: int, level: float, per_minute: int, wait: float, headers: dict) -> RateLimited:
+    return RateLimited(
+        f"Rate limit reached for your key: {tokens} tokens requested, {int(level)} of "
+        f"{per_minute} tokens per minute left. Try again in {duration(wait)}.", wait, headers)
+
+
+def waited_too_long(tokens: int, queue_timeout: float, headers: dict) -> RateLimited:
+    return RateLimited(f"The server is busy: this request waited {queue_timeout:g} s for its "
+                       f"{tokens} tokens (queue_timeout). Try again shortly.", 1, headers)
+
+
+def over_capacity(tokens: int, capacity: int) -> InvalidRequest:
+    return InvalidRequest(
+        f"This request needs {tokens} tokens ((prompt tokens + max_tokens) x n, summed over the prompts), "
+        f"more than this server ever holds at once ({capacity}, max_tokens_in_flight). "
+        "Reduce max_tokens, n or the prompts.", "max_tokens")
+
+
 @dataclass(eq=False)
 class Hold:
     key: str
@@ -122,11 +155,7 @@ class Admission:
         bucket = self._bucket(key)
         if bucket is None:
             return {}
-        now = self.clock()
-        bucket.refill(now)
-        return {"x-ratelimit-limit-tokens": str(self.tokens_per_minute),
-                "x-ratelimit-remaining-tokens": str(int(bucket.level)),
-                "x-ratelimit-reset-tokens": duration(bucket.reset_in(now))}
+        return budget_headers(bucket, self.tokens_per_minute, self.clock())
 
     async def acquire(self, key: str, tokens: int) -> Hold:
         """Wait until `tokens` fit and hold them. Raises Unavailable (draining), InvalidRequest (can never
@@ -135,24 +164,16 @@ class Admission:
         if self.draining:
             raise Unavailable("The server is shutting down and takes no new requests.")
         if tokens > self.capacity:
-            raise InvalidRequest(
-                f"This request needs {tokens} tokens ((prompt tokens + max_tokens) x n, summed over the prompts), "
-                f"more than this server ever holds at once ({self.capacity}, max_tokens_in_flight). "
-                "Reduce max_tokens, n or the prompts.", "max_tokens")
+            raise over_capacity(tokens, self.capacity)
         now = self.clock()
         bucket = self._bucket(key)
         if bucket is not None:
             if tokens > self.tokens_per_minute:
-                raise RateLimited(
-                    f"This request needs {tokens} tokens, more than your key's budget of {self.tokens_per_minute} "
-                    "tokens per minute (tokens_per_minute); it can never run. Reduce max_tokens, n or the prompts.",
-                    60, self._budget_headers(key))
+                raise never_fits_budget(tokens, self.tokens_per_minute, self._budget_headers(key))
             wait = bucket.wait_for(tokens, now)
             if wait > self.queue_timeout:
-                raise RateLimited(
-                    f"Rate limit reached for your key: {tokens} tokens requested, {int(bucket.level)} of "
-                    f"{self.tokens_per_minute} tokens per minute left. Try again in {duration(wait)}.",
-                    wait, self._budget_headers(key))
+                raise budget_wait_too_long(tokens, bucket.level, self.tokens_per_minute, wait,
+                                           self._budget_headers(key))
         hold = Hold(key, tokens, now)
         waiter = _Waiter(hold, asyncio.get_running_loop().create_future())
         self._waiters.append(waiter)
@@ -167,9 +188,7 @@ class Admission:
             return await asyncio.wait_for(asyncio.shield(waiter.future), self.queue_timeout)
         except asyncio.TimeoutError:
             self._drop(waiter)
-            raise RateLimited(f"The server is busy: this request waited {self.queue_timeout:g} s for its "
-                              f"{tokens} tokens (queue_timeout). Try again shortly.", 1,
-                              self._budget_headers(key)) from None
+            raise waited_too_long(tokens, self.queue_timeout, self._budget_headers(key)) from None
         except asyncio.CancelledError:
             self._drop(waiter)
             raise

@@ -130,7 +130,7 @@ class Gate:
                 return InvalidAPIKey("The API key you sent is not valid on this server.")
             info["key_id"] = key_id
         if _is_protected(path):
-            if self.state.engine is None:
+            if self.state.backend is None:
                 return Unavailable("The model is still loading; try again in a moment (GET /health says "
                                    "when it is ready).")
             if self.state.admission.draining:
@@ -140,7 +140,7 @@ class Gate:
     def _quiet_probe(self, status: int) -> bool:
         """A 503 probe while the model loads is expected (a start polls /health until ready): not logged.
         A 503 that says the engine is failing or draining is."""
-        return status == 503 and self.state.engine is None
+        return status == 503 and self.state.backend is None
 
     def _record(self, scope, info, path: str, status: int, seconds: float) -> None:
         metrics = self.state.metrics
@@ -173,10 +173,11 @@ def _request_id(request: Request) -> str:
     return getattr(request.state, "request_id", None) or new_request_id()
 
 
-def create_app(engine, limits: Limits | None = None, admission: AdmissionSettings | None = None,
-               api_keys=()) -> FastAPI:
-    """Build the ASGI app around a started `Engine`, or around None while the model loads (API paths
-    answer 503 until `attach_engine`)."""
+def create_app(backend, limits: Limits | None = None, admission: AdmissionSettings | None = None,
+               api_keys=(), admission_control=None) -> FastAPI:
+    """Build the ASGI app around a backend (backend.py: a started `Engine`, or replicas), or around None
+    while the model loads (API paths answer 503 until `attach_backend`). `admission_control` replaces the
+    one-process hold (api/admission.py) with another of its interface (cluster/state.py)."""
     @contextlib.asynccontextmanager
     async def lifespan(app):
         app.state.loop = asyncio.get_running_loop()  # for the SIGTERM drain, which runs in another thread
@@ -195,17 +196,18 @@ def create_app(engine, limits: Limits | None = None, admission: AdmissionSetting
         return app.openapi_schema
 
     app.openapi = openapi
-    app.state.engine = None
+    app.state.backend = None
     app.state.limits = limits or Limits()
     app.state.settings = admission or AdmissionSettings()
     app.state.keys = KeyRing(api_keys)
-    app.state.admission = Admission(app.state.limits.max_tokens_in_flight, app.state.settings.tokens_per_minute,
-                                    app.state.settings.max_queue, app.state.settings.queue_timeout)
+    app.state.admission = admission_control or Admission(
+        app.state.limits.max_tokens_in_flight, app.state.settings.tokens_per_minute, app.state.settings.max_queue,
+        app.state.settings.queue_timeout)
     app.state.metrics = Metrics()
     app.state.admission.on_queue_time = app.state.metrics.queue_seconds.observe
-    app.state.metrics.watch(app.state.admission, lambda: app.state.engine)
-    if engine is not None:
-        attach_engine(app, engine)
+    app.state.metrics.watch(app.state.admission)
+    if backend is not None:
+        attach_backend(app, backend)
     app.include_router(router)
     web = Path(__file__).resolve().parent.parent / "web"
     app.mount("/static", StaticFiles(directory=web), name="static")
@@ -253,11 +255,18 @@ def create_app(engine, limits: Limits | None = None, admission: AdmissionSetting
     return app
 
 
-def attach_engine(app: FastAPI, engine) -> None:
-    """The model is loaded: serve it."""
-    engine.step_observer = app.state.metrics.observe_step
-    engine.failure_observer = app.state.metrics.observe_failure
-    app.state.engine = engine
+def attach_backend(app: FastAPI, backend) -> None:
+    """The model is loaded: serve it. An in-process engine reports its steps and failures to this app's
+    metrics as they happen; a backend of replicas brings its own (serve/ray_app.py)."""
+    if hasattr(backend, "step_observer"):
+        app.state.metrics.attach_engine(backend)
+    app.state.backend = backend
+    extra = getattr(backend, "metrics_collector", None)
+    if extra is not None:
+        app.state.metrics.registry.register(extra)
+
+
+attach_engine = attach_backend
 
 
 def json_response(payload, status: int = 200) -> Response:

@@ -13,8 +13,10 @@ import secrets
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..config import Limits
-from ..engine.request import SamplingParams, SequenceGroup
+from ..backend import GenerationOutput, GenerationRequest, SamplingParams
 from ..output.logprobs import TokenNamer, chat_logprobs_content
 from . import validation as v
 from .common import (ResidualRequest, check_request_caps, check_text_length, parse_shared, prompt_logprobs_parts,
@@ -109,75 +111,75 @@ def parse_chat(body: dict, limits: Limits) -> ChatRequest:
                        shared.residual, max_tokens_field)
 
 
-def render_prompt(engine, req: ChatRequest) -> list[int]:
+def render_prompt(backend, req: ChatRequest) -> list[int]:
     """The templated conversation's token ids, ending with the assistant's turn opening."""
-    tok = engine.tokenizer
-    if not engine.info.has_chat_template:
+    tok = backend.tokenizer
+    if not backend.info.has_chat_template:
         raise InvalidRequest("This model has no chat template, so /v1/chat/completions cannot build a prompt. "
                              "Use /v1/completions with your own prompt, or start the server with "
                              "--chat-template FILE (a Jinja template).", "messages")
-    check_text_length(engine, [m.get("content") for m in req.messages], "messages")
+    check_text_length(backend, [m.get("content") for m in req.messages], "messages")
     try:
         text = tok.apply_chat_template(req.messages, tokenize=False, add_generation_prompt=True)
     except Exception as exc:  # a template that raises on these messages (e.g. a role it forbids)
         raise InvalidRequest(f"The model's chat template could not render these messages: "
                              f"{str(exc)[:200]}", "messages") from None
     ids = tok(text, add_special_tokens=False).input_ids
-    ctx = engine.info.context_length
+    ctx = backend.info.context_length
     if req.max_tokens is None:
         req.params.max_tokens = max(0, ctx - len(ids))
     return ids
 
 
-def check_caps(engine, req: ChatRequest, ids: list[int], limits: Limits) -> None:
-    check_request_caps(engine, [ids], req.params, req.residual, limits, prompt_param="messages",
+def check_caps(backend, req: ChatRequest, ids: list[int], limits: Limits) -> None:
+    check_request_caps(backend, [ids], req.params, req.residual, limits, prompt_param="messages",
                        max_tokens_param=req.max_tokens_field if req.max_tokens is not None else "messages")
 
 
-def build_group(engine, req: ChatRequest, ids: list[int], request_id: str) -> SequenceGroup:
-    params = SamplingParams(**{**req.params.__dict__, "stop_token_ids": engine.info.stop_token_ids,
-                               "residual_layers": residual_layers(engine, req.residual)})
-    return SequenceGroup(request_id, ids, params, engine.table)
+def build_request(backend, req: ChatRequest, ids: list[int], request_id: str) -> GenerationRequest:
+    params = SamplingParams(**{**req.params.__dict__, "stop_token_ids": backend.info.stop_token_ids,
+                               "residual_layers": residual_layers(backend, req.residual)})
+    return GenerationRequest(request_id, ids, params)
 
 
-def _content(engine, req: ChatRequest, namer, ids, lps, top_ids, top_lps, finish_reason):
-    if finish_reason == "stop" and len(ids) and int(ids[-1]) in engine.info.stop_token_ids:
+def _content(backend, req: ChatRequest, namer, ids, lps, top_ids, top_lps, finish_reason):
+    if finish_reason == "stop" and len(ids) and int(ids[-1]) in backend.info.stop_token_ids:
         ids, lps, top_ids, top_lps = ids[:-1], lps[:-1], top_ids[:-1], top_lps[:-1]
-    return chat_logprobs_content(namer, engine.table.token_bytes, ids, lps, top_ids, top_lps)
+    return chat_logprobs_content(namer, backend.table.token_bytes, ids, lps, top_ids, top_lps)
 
 
-def format_response(engine, req: ChatRequest, group: SequenceGroup, parts) -> dict:
-    namer = TokenNamer(engine.table.strings, req.return_tokens_as_token_ids)
+def format_response(backend, req: ChatRequest, request: GenerationRequest, out: GenerationOutput, parts) -> dict:
+    namer = TokenNamer(backend.table.strings, req.return_tokens_as_token_ids)
     choices, completion_tokens = [], 0
-    for seq in group.sequences:
-        completion_tokens += len(seq.token_ids)
-        text = seq.text.text if seq.text_end is None else seq.text.text[: seq.text_end]
+    for seq in out.choices:
+        completion_tokens += seq.num_generated
         logprobs = None
         if req.top_logprobs is not None:
-            cols = seq.columns(req.top_logprobs)
-            logprobs = {"content": _content(engine, req, namer, *cols, seq.finish_reason.value), "refusal": None}
-        choice = {"index": seq.index, "message": {"role": "assistant", "content": text},
-                  "logprobs": logprobs, "finish_reason": seq.finish_reason.value}
+            cols = seq.token_ids, seq.logprobs, seq.top_ids, seq.top_logprobs
+            logprobs = {"content": _content(backend, req, namer, *cols, seq.finish_reason), "refusal": None}
+        choice = {"index": seq.index, "message": {"role": "assistant", "content": seq.text},
+                  "logprobs": logprobs, "finish_reason": seq.finish_reason}
         if req.residual is not None:
-            choice["residual_stream"] = residual_of(engine, req.residual, seq)
+            choice["residual_stream"] = residual_of(backend, req.residual, seq)
         choices.append(choice)
-    out = {"id": "chatcmpl-" + secrets.token_hex(8), "object": "chat.completion", "created": int(time.time()),
-           "model": engine.info.name, "choices": choices,
-           "usage": {"prompt_tokens": group.num_prompt_tokens, "completion_tokens": completion_tokens,
-                     "total_tokens": group.num_prompt_tokens + completion_tokens}}
+    body = {"id": "chatcmpl-" + secrets.token_hex(8), "object": "chat.completion", "created": int(time.time()),
+           "model": backend.info.name, "choices": choices,
+           "usage": {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": completion_tokens,
+                     "total_tokens": out.num_prompt_tokens + completion_tokens}}
     # Always present, null unless asked (the contract; vLLM's clients read it unconditionally)
-    out["prompt_logprobs"] = None
+    body["prompt_logprobs"] = None
     if req.params.prompt_logprobs is not None:
-        out["prompt_logprobs"] = parts.add(prompt_logprobs_parts(engine, req, group))
-    return out
+        prompt_ids = np.asarray(request.prompt_ids, dtype=np.int64)
+        body["prompt_logprobs"] = parts.add(prompt_logprobs_parts(backend, req, prompt_ids, out.prompt_columns))
+    return body
 
 
-def stream_formatters(engine, req: ChatRequest, group: SequenceGroup):
+def stream_formatters(backend, req: ChatRequest):
     """(format_deltas, final_chunks) for chat streaming: `chat.completion.chunk`s whose `delta` carries
     the role first, then content, with `logprobs.content` for exactly the chunk's tokens."""
-    namer = TokenNamer(engine.table.strings, req.return_tokens_as_token_ids)
+    namer = TokenNamer(backend.table.strings, req.return_tokens_as_token_ids)
     head = {"id": "chatcmpl-" + secrets.token_hex(8), "object": "chat.completion.chunk",
-            "created": int(time.time()), "model": engine.info.name}
+            "created": int(time.time()), "model": backend.info.name}
     tail = {"usage": None} if req.include_usage else {}
 
     def format_deltas(deltas) -> list[bytes]:
@@ -190,19 +192,18 @@ def stream_formatters(engine, req: ChatRequest, group: SequenceGroup):
                 continue
             logprobs = None
             if req.top_logprobs is not None:
-                logprobs = {"content": _content(engine, req, namer, d.token_ids, d.logprobs, d.top_ids,
+                logprobs = {"content": _content(backend, req, namer, d.token_ids, d.logprobs, d.top_ids,
                                                 d.top_logprobs, d.finish_reason), "refusal": None}
             delta = {"content": d.text} if d.text or d.finish_reason is None else {}
             chunks.append(sse({**head, "choices": [{"index": d.seq_index, "delta": delta, "logprobs": logprobs,
                                                     "finish_reason": d.finish_reason}], **tail}))
         return chunks
 
-    def final_chunks() -> list[bytes]:
+    def final_chunks(end) -> list[bytes]:
         if not req.include_usage:
             return []
-        completion = sum(len(s.token_ids) for s in group.sequences)
-        return [sse({**head, "choices": [], "usage": {"prompt_tokens": group.num_prompt_tokens,
-                                                      "completion_tokens": completion,
-                                                      "total_tokens": group.num_prompt_tokens + completion}})]
+        prompt, completion = end.num_prompt_tokens[0], end.num_generated[0]
+        return [sse({**head, "choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                                                      "total_tokens": prompt + completion}})]
 
     return format_deltas, final_chunks

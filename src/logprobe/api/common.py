@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import re
 import secrets
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -13,9 +14,9 @@ import numpy as np
 import orjson
 
 from ..config import Limits
-from ..engine.request import SamplingParams, SequenceGroup
+from ..backend import PromptColumns, SamplingParams
 from ..output.logprobs import ranks_of_top
-from ..output.prompt_json import iter_dense
+from ..output.prompt_json import PromptLogprobsEncoder, iter_dense
 from ..output.residual import residual_payload
 from . import validation as v
 from .errors import ContextLengthExceeded, InvalidRequest
@@ -125,12 +126,12 @@ def parse_shared(body: dict, limits: Limits) -> SharedFields:
     )
 
 
-def check_text_length(engine, texts, param: str) -> None:
+def check_text_length(backend, texts, param: str) -> None:
     """Refuse, before tokenizing, texts that cannot fit the context whatever their tokens: no token
     covers more than the longest token's bytes (+1 for a tokenizer's added space), so a text of more
     than that x context bytes is over. Tokenizing a 10 MB prompt only to refuse it would take seconds."""
-    ctx = engine.info.context_length
-    per_token = engine.table.max_token_bytes + 1
+    ctx = backend.info.context_length
+    per_token = backend.table.max_token_bytes + 1
     size = sum(len(t) for t in texts if isinstance(t, str)) * 4  # UTF-8 bytes, at most 4 a character
     if size <= ctx * per_token:
         return  # the common case, without encoding the text
@@ -141,11 +142,11 @@ def check_text_length(engine, texts, param: str) -> None:
             f"which is more than {size // per_token} tokens. Please reduce the {param}.", param)
 
 
-def check_request_caps(engine, prompts: list[list[int]], params: SamplingParams,
+def check_request_caps(backend, prompts: list[list[int]], params: SamplingParams,
                        residual: ResidualRequest | None, limits: Limits, prompt_param: str = "prompt",
                        max_tokens_param: str = "max_tokens", positions_param: str | None = None) -> None:
     """Every cap of docs/api.md section 8 that depends on the tokenized prompts, and the context length."""
-    ctx = engine.info.context_length
+    ctx = backend.info.context_length
     for ids in prompts:
         total = len(ids) + params.max_tokens
         if total > ctx:
@@ -167,7 +168,7 @@ def check_request_caps(engine, prompts: list[list[int]], params: SamplingParams,
                 f"has {positions}. Send fewer or shorter prompts, or a number k instead of -1.",
                 "prompt_logprobs")
     if residual is not None:
-        num_layers = engine.info.num_layers
+        num_layers = backend.info.num_layers
         bad = [x for x in residual.layers if not -(num_layers + 1) <= x <= num_layers]
         if bad:
             raise InvalidRequest(f"Invalid value for 'output_residual_stream': layer {bad[0]} does not exist; "
@@ -188,17 +189,30 @@ def check_request_caps(engine, prompts: list[list[int]], params: SamplingParams,
                 "(max_prompt_logprob_positions).", param)
 
 
-def prompt_logprobs_parts(engine, req, group: SequenceGroup):
+_ENCODERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def prompt_encoder(backend, as_ids: bool = False) -> PromptLogprobsEncoder:
+    """The backend's byte encoder of prompt_logprobs maps (its per-model tables, built on first use and
+    kept as long as the backend)."""
+    encoders = _ENCODERS.setdefault(backend, {})
+    if as_ids not in encoders:
+        names = ([f"token_id:{i}" for i in range(backend.info.vocab_size)] if as_ids
+                 else backend.table.strings.tolist())
+        encoders[as_ids] = PromptLogprobsEncoder(names)
+    return encoders[as_ids]
+
+
+def prompt_logprobs_parts(backend, req, prompt_ids: np.ndarray, pc: PromptColumns):
     """A callable that yields the bytes of one choice's `prompt_logprobs` list."""
-    params, pc = req.params, group.prompt_columns
-    prompt_ids = np.asarray(group.prompt_ids, dtype=np.int64)
+    params = req.params
     if params.prompt_logprobs == -1:
         if req.vocab_encoding is not None:
             return lambda: iter_dense(prompt_ids, pc.logprobs, pc.ranks, pc.full, req.vocab_encoding)
-        return lambda: engine.prompt_encoder(req.return_tokens_as_token_ids).iter_vocab(pc.full, pc.full_ranks)
+        return lambda: prompt_encoder(backend, req.return_tokens_as_token_ids).iter_vocab(pc.full, pc.full_ranks)
     k = params.prompt_logprobs
     top_ids, top_lps = pc.top_ids[:, :k], pc.top_logprobs[:, :k]
-    encoder = engine.prompt_encoder(req.return_tokens_as_token_ids)
+    encoder = prompt_encoder(backend, req.return_tokens_as_token_ids)
     return lambda: encoder.iter_topk(prompt_ids, pc.logprobs, pc.ranks, top_ids, top_lps, ranks_of_top(top_lps))
 
 
@@ -233,16 +247,16 @@ def iter_body(payload: dict, parts) -> Iterator[bytes]:
     yield encoded[pos:]
 
 
-def residual_layers(engine, residual: ResidualRequest | None) -> tuple[int, ...]:
+def residual_layers(backend, residual: ResidualRequest | None) -> tuple[int, ...]:
     """The asked layers as indices 0..num_layers (negative ones count from the end)."""
     if residual is None:
         return ()
-    top = engine.info.num_layers + 1
+    top = backend.info.num_layers + 1
     return tuple(sorted({layer % top for layer in residual.layers}))
 
 
-def residual_of(engine, residual: ResidualRequest | None, seq, rows: slice = slice(None)) -> dict | None:
+def residual_of(backend, residual: ResidualRequest | None, seq, rows: slice = slice(None)) -> dict | None:
     if residual is None:
         return None
-    return residual_payload(seq.residual, residual.layers, engine.info.num_layers, residual.dtype,
+    return residual_payload(seq.residual, residual.layers, backend.info.num_layers, residual.dtype,
                             residual.encoding, rows)

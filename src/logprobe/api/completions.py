@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import Limits
-from ..engine.request import SamplingParams, SequenceGroup
-from ..engine.tokenizer import TextAssembler
+from ..backend import GenerationOutput, GenerationRequest, SamplingParams
+from ..tokens import TextAssembler
 from ..output.logprobs import TokenNamer, legacy_logprobs
 from . import validation as v
 from .common import (Parts, ResidualRequest, check_request_caps, check_text_length, parse_shared, prompt_logprobs_parts,
@@ -106,12 +106,12 @@ def parse_completion(body: dict, limits: Limits) -> CompletionRequest:
     )
 
 
-def tokenize_prompts(engine, req: CompletionRequest) -> list[Prompt]:
-    vocab = engine.info.vocab_size
+def tokenize_prompts(backend, req: CompletionRequest) -> list[Prompt]:
+    vocab = backend.info.vocab_size
     if isinstance(req.prompts[0], str):
         for text in req.prompts:
-            check_text_length(engine, [text], "prompt")
-        encoded = engine.tokenizer(req.prompts, add_special_tokens=req.add_special_tokens).input_ids
+            check_text_length(backend, [text], "prompt")
+        encoded = backend.tokenizer(req.prompts, add_special_tokens=req.add_special_tokens).input_ids
         out = [Prompt(list(ids), text) for ids, text in zip(encoded, req.prompts)]
     else:
         out = [Prompt(list(ids), None) for ids in req.prompts]
@@ -127,20 +127,20 @@ def tokenize_prompts(engine, req: CompletionRequest) -> list[Prompt]:
     return out
 
 
-def check_caps(engine, req: CompletionRequest, prompts: list[Prompt], limits: Limits) -> None:
-    check_request_caps(engine, [p.token_ids for p in prompts], req.params, req.residual, limits)
+def check_caps(backend, req: CompletionRequest, prompts: list[Prompt], limits: Limits) -> None:
+    check_request_caps(backend, [p.token_ids for p in prompts], req.params, req.residual, limits)
 
 
-def echo_of(engine, prompt: Prompt, added_special: bool) -> tuple[str, list[int]]:
+def echo_of(backend, prompt: Prompt, added_special: bool) -> tuple[str, list[int]]:
     """The echoed prompt text and each prompt token's offset in it. Special tokens spell their own text
     (`<|endoftext|>`), so the echoed tokens spell the echoed text, as in vLLM, except BOS, which has no
     text (the contract: "no BOS text"): on a token-id prompt every BOS token, on a text prompt the BOS the
     tokenizer added in front (a text prompt is echoed as sent, so a special token written in the text
     keeps its text, and `text[len(prompt):]` is the generated text)."""
     ids = prompt.token_ids
-    bos = engine.info.bos_token_id
-    added_bos = prompt.text is not None and added_special and engine.info.adds_bos and ids and ids[0] == bos
-    asm = TextAssembler(engine.table)
+    bos = backend.info.bos_token_id
+    added_bos = prompt.text is not None and added_special and backend.info.adds_bos and ids and ids[0] == bos
+    asm = TextAssembler(backend.table)
     for i, t in enumerate(ids):
         silent = t == bos and (prompt.text is None or (added_bos and i == 0))
         asm.add(t, special_text=not silent)
@@ -149,42 +149,43 @@ def echo_of(engine, prompt: Prompt, added_special: bool) -> tuple[str, list[int]
     return text, [min(o, len(text)) for o in asm.offsets]
 
 
-def build_groups(engine, req: CompletionRequest, prompts: list[Prompt], request_id: str):
-    """One SequenceGroup per prompt, plus the echo text and offsets of each prompt."""
-    groups, echoes = [], []
+def build_requests(backend, req: CompletionRequest, prompts: list[Prompt], request_id: str):
+    """One GenerationRequest per prompt, plus the echo text and offsets of each prompt."""
+    requests, echoes = [], []
     for p in prompts:
         params = req.params
-        params = SamplingParams(**{**params.__dict__, "stop_token_ids": engine.info.stop_token_ids,
-                                   "residual_layers": residual_layers(engine, req.residual)})
+        params = SamplingParams(**{**params.__dict__, "stop_token_ids": backend.info.stop_token_ids,
+                                   "residual_layers": residual_layers(backend, req.residual)})
         echo_text, echo_offsets = "", []
         if params.echo:
-            echo_text, echo_offsets = echo_of(engine, p, req.add_special_tokens)
-        groups.append(SequenceGroup(request_id, p.token_ids, params, engine.table, len(echo_text)))
+            echo_text, echo_offsets = echo_of(backend, p, req.add_special_tokens)
+        requests.append(GenerationRequest(request_id, p.token_ids, params, len(echo_text)))
         echoes.append((echo_text, echo_offsets))
-    return groups, echoes
+    return requests, echoes
 
 
-def format_response(engine, req: CompletionRequest, groups: list[SequenceGroup], echoes):
+def format_response(backend, req: CompletionRequest, requests: list[GenerationRequest],
+                    outputs: list[GenerationOutput], echoes):
     """The completion as (JSON-ready dict, parts): where the dict holds a placeholder string
     `Parts.MARK`, the bytes yielded by parts[i]() go instead (the prompt_logprobs lists)."""
     params = req.params
-    namer = TokenNamer(engine.table.strings, req.return_tokens_as_token_ids)
+    namer = TokenNamer(backend.table.strings, req.return_tokens_as_token_ids)
     choices, parts, completion_tokens = [], Parts(), 0
-    for g_index, (group, (echo_text, echo_offsets)) in enumerate(zip(groups, echoes)):
-        prompt_ids = np.asarray(group.prompt_ids, dtype=np.int64)
+    for g_index, (request, out, (echo_text, echo_offsets)) in enumerate(zip(requests, outputs, echoes)):
+        prompt_ids = np.asarray(request.prompt_ids, dtype=np.int64)
         prompt_part = None
         if params.prompt_logprobs is not None:
-            prompt_part = prompt_logprobs_parts(engine, req, group)
-        for seq in group.sequences:
-            completion_tokens += len(seq.token_ids)
-            text = seq.text.text if seq.text_end is None else seq.text.text[: seq.text_end]
+            prompt_part = prompt_logprobs_parts(backend, req, prompt_ids, out.prompt_columns)
+        for seq in out.choices:
+            completion_tokens += seq.num_generated
+            text = seq.text
             logprobs = None
             if params.logprobs is not None:
                 k = params.logprobs
-                ids, lps, top_ids, top_lps = seq.columns(k)
-                offsets = seq.text.offsets[: len(ids)]
+                ids, lps, top_ids, top_lps = seq.token_ids, seq.logprobs, seq.top_ids, seq.top_logprobs
+                offsets = seq.offsets
                 if params.echo:
-                    pc = group.prompt_columns
+                    pc = out.prompt_columns
                     ids = np.concatenate([prompt_ids, ids])
                     lps = np.concatenate([pc.logprobs, lps])
                     top_ids = np.concatenate([pc.top_ids[:, :k], top_ids])
@@ -199,39 +200,39 @@ def format_response(engine, req: CompletionRequest, groups: list[SequenceGroup],
                 "index": g_index * params.n + seq.index,
                 "text": echo_text + text if params.echo else text,
                 "logprobs": logprobs,
-                "finish_reason": seq.finish_reason.value,
+                "finish_reason": seq.finish_reason,
                 "prompt_logprobs": mark,
             }
             if req.residual is not None:
-                choice["residual_stream"] = residual_of(engine, req.residual, seq)
+                choice["residual_stream"] = residual_of(backend, req.residual, seq)
             choices.append(choice)
-    prompt_tokens = sum(g.num_prompt_tokens for g in groups)
+    prompt_tokens = sum(r.num_prompt_tokens for r in requests)
     return {
         "id": "cmpl-" + secrets.token_hex(8),
         "object": "text_completion",
         "created": int(time.time()),
-        "model": engine.info.name,
+        "model": backend.info.name,
         "choices": choices,
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                   "total_tokens": prompt_tokens + completion_tokens},
     }, parts
 
 
-def stream_formatters(engine, req: CompletionRequest, groups: list[SequenceGroup], echoes):
+def stream_formatters(backend, req: CompletionRequest, requests: list[GenerationRequest], echoes):
     """(format_deltas, final_chunks) for `stream: true`: one chunk per choice and step, shaped like a
     completion whose text is the new text and whose logprobs hold the new tokens only; `echo` goes in
     each choice's first chunk, and `text_offset` continues across chunks."""
     params = req.params
-    namer = TokenNamer(engine.table.strings, req.return_tokens_as_token_ids)
+    namer = TokenNamer(backend.table.strings, req.return_tokens_as_token_ids)
     head = {"id": "cmpl-" + secrets.token_hex(8), "object": "text_completion", "created": int(time.time()),
-            "model": engine.info.name}
+            "model": backend.info.name}
     tail = {"usage": None} if req.include_usage else {}
     k = params.logprobs or 0
 
     def format_deltas(deltas) -> list[bytes]:
         chunks = []
         for d in deltas:
-            group = groups[d.group_index]
+            request = requests[d.group_index]
             echo_text, echo_offsets = echoes[d.group_index]
             text, logprobs = d.text, None
             ids, lps, top_ids, top_lps, offsets = d.token_ids, d.logprobs, d.top_ids, d.top_logprobs, d.offsets
@@ -240,8 +241,8 @@ def stream_formatters(engine, req: CompletionRequest, groups: list[SequenceGroup
                 text = echo_text + text
             if params.logprobs is not None:
                 if with_prompt:
-                    pc = group.prompt_columns
-                    ids = np.concatenate([np.asarray(group.prompt_ids, dtype=np.int64), ids])
+                    pc = d.prompt_columns
+                    ids = np.concatenate([np.asarray(request.prompt_ids, dtype=np.int64), ids])
                     lps = np.concatenate([pc.logprobs, lps])
                     top_ids = np.concatenate([pc.top_ids[:, :k], top_ids])
                     top_lps = np.concatenate([pc.top_logprobs[:, :k], top_lps])
@@ -252,11 +253,11 @@ def stream_formatters(engine, req: CompletionRequest, groups: list[SequenceGroup
             chunks.append(sse({**head, "choices": [choice], **tail}))
         return chunks
 
-    def final_chunks() -> list[bytes]:
+    def final_chunks(end) -> list[bytes]:
         if not req.include_usage:
             return []
-        prompt_tokens = sum(g.num_prompt_tokens for g in groups)
-        completion_tokens = sum(len(s.token_ids) for g in groups for s in g.sequences)
+        prompt_tokens = sum(end.num_prompt_tokens)
+        completion_tokens = sum(end.num_generated)
         return [sse({**head, "choices": [], "usage": {
             "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}})]

@@ -10,6 +10,38 @@ STEP = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.
 BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
+class EngineMetrics:
+    """What an engine reports: its steps, rows per step, failures, KV cache and sequence groups. In one
+    process they live in the app's registry; each Ray Serve replica keeps its own (cluster/ray_app.py),
+    which the app's /metrics shows with a `replica` label."""
+
+    def __init__(self, registry: CollectorRegistry, stats):
+        r = registry
+        self.step_seconds = Histogram("logprobe_engine_step_seconds", "Duration of one engine step",
+                                      buckets=STEP, registry=r)
+        self.batch_rows = Histogram("logprobe_engine_batch_rows", "Sequences (rows) in one engine step",
+                                    buckets=BATCH, registry=r)
+        self.kv_cache_bytes = Gauge("logprobe_kv_cache_bytes", "Bytes allocated to the batched KV cache",
+                                    registry=r)
+        self.engine_failures = Counter("logprobe_engine_failures", "Engine failures: 'step' (a shared pass failed; "
+                                       "its requests failed and shared state was rebuilt) or 'request' (one "
+                                       "request's own work failed)", ["kind"], registry=r)
+        for kind in ("step", "request"):
+            self.engine_failures.labels(kind)
+        self.engine_in_flight = Gauge("logprobe_engine_sequence_groups", "Sequence groups in the engine",
+                                      registry=r)
+        self.engine_in_flight.set_function(lambda: stats()["in_flight"])
+        self.kv_cache_bytes.set_function(lambda: stats()["kv_cache_bytes"])
+
+    def observe_failure(self, kind: str) -> None:
+        self.engine_failures.labels(kind).inc()
+
+    def observe_step(self, seconds: float, rows: int) -> None:
+        """Called by the engine thread after each step (prometheus_client is thread-safe)."""
+        self.step_seconds.observe(seconds)
+        self.batch_rows.observe(rows)
+
+
 class Metrics:
     def __init__(self):
         r = self.registry = CollectorRegistry()
@@ -23,41 +55,25 @@ class Metrics:
                                          buckets=LATENCY, registry=r)
         self.queue_seconds = Histogram("logprobe_queue_time_seconds", "Time admitted requests waited for their hold",
                                        buckets=LATENCY, registry=r)
-        self.step_seconds = Histogram("logprobe_engine_step_seconds", "Duration of one engine step",
-                                      buckets=STEP, registry=r)
-        self.batch_rows = Histogram("logprobe_engine_batch_rows", "Sequences (rows) in one engine step",
-                                    buckets=BATCH, registry=r)
         self.queue_depth = Gauge("logprobe_queue_depth", "Requests waiting for their hold", registry=r)
         self.running = Gauge("logprobe_requests_running", "Admitted requests not yet finished", registry=r)
         self.tokens_held = Gauge("logprobe_tokens_held", "Tokens held by admitted requests", registry=r)
         self.capacity = Gauge("logprobe_tokens_capacity", "Tokens the server holds at most (max_tokens_in_flight)",
                               registry=r)
-        self.kv_cache_bytes = Gauge("logprobe_kv_cache_bytes", "Bytes allocated to the batched KV cache",
-                                    registry=r)
-        self.engine_failures = Counter("logprobe_engine_failures", "Engine failures: 'step' (a shared pass failed; "
-                                       "its requests failed and shared state was rebuilt) or 'request' (one "
-                                       "request's own work failed)", ["kind"], registry=r)
-        for kind in ("step", "request"):
-            self.engine_failures.labels(kind)
-        self.engine_in_flight = Gauge("logprobe_engine_sequence_groups", "Sequence groups in the engine",
-                                      registry=r)
+        self.engine: EngineMetrics | None = None
 
-    def watch(self, admission, engine_ref) -> None:
-        """Gauges read live from the admission and the engine at scrape time."""
+    def watch(self, admission) -> None:
+        """Gauges read live from the admission at scrape time."""
         self.queue_depth.set_function(lambda: admission.queue_depth)
         self.running.set_function(lambda: admission.running)
         self.tokens_held.set_function(lambda: admission.held)
         self.capacity.set_function(lambda: admission.capacity)
-        self.engine_in_flight.set_function(lambda: (engine_ref().num_in_flight if engine_ref() else 0))
-        self.kv_cache_bytes.set_function(lambda: (engine_ref().runner.kv_cache_bytes if engine_ref() else 0))
 
-    def observe_failure(self, kind: str) -> None:
-        self.engine_failures.labels(kind).inc()
-
-    def observe_step(self, seconds: float, rows: int) -> None:
-        """Called by the engine thread after each step (prometheus_client is thread-safe)."""
-        self.step_seconds.observe(seconds)
-        self.batch_rows.observe(rows)
+    def attach_engine(self, engine) -> None:
+        """An in-process engine: its steps and failures are observed here as they happen."""
+        self.engine = EngineMetrics(self.registry, engine.stats)
+        engine.step_observer = self.engine.observe_step
+        engine.failure_observer = self.engine.observe_failure
 
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

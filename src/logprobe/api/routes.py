@@ -1,4 +1,4 @@
-"""HTTP routes. Thin: parse and check, hand over to the engine, format."""
+"""HTTP routes. Thin: parse and check, hand over to the backend (backend.py), format."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response, StreamingResponse
 
-from ..engine.request import FinishReason
+from ..backend import BackendUnavailable, GenerationOutput, GenerationRequest
 from . import chat
 from . import completions as cmpl
 from . import scoring
 from .common import Parts, iter_body
-from .streaming import stream_groups
+from .streaming import stream_sse
 from . import validation as v
-from .errors import InvalidRequest, ModelNotFound, RequestTooLarge, Timeout
+from .errors import InvalidRequest, ModelNotFound, RequestTooLarge, Timeout, Unavailable
 
 router = APIRouter()
 CREATED = int(time.time())
@@ -78,17 +78,11 @@ class ClientGone(Exception):
     """The client closed the connection before its answer was ready."""
 
 
-async def run_while_connected(request: Request, engine, groups) -> None:
-    """Run groups in the engine; if the client disconnects first, abort them (the engine drops them
+async def run_while_connected(request: Request, backend, requests: list[GenerationRequest]) -> list[GenerationOutput]:
+    """Run requests on the backend; if the client disconnects first, abort them (the backend drops them
     before their next step) instead of finishing work nobody will read; the same, with 504, when they
-    run past the request time-out. Groups that need no forward pass are finished here without queueing."""
-    for group in [g for g in groups if not g.params.needs_forward]:
-        for seq in group.sequences:
-            seq.finish_reason = FinishReason.LENGTH
-    groups = [g for g in groups if g.params.needs_forward]
-    if not groups:
-        return
-    run = asyncio.ensure_future(engine.run(groups))
+    run past the request time-out. A backend that lost the requests (a replica died) answers 503."""
+    run = asyncio.ensure_future(backend.run(requests))
 
     async def wait_for_disconnect():
         while (await request.receive())["type"] != "http.disconnect":
@@ -101,35 +95,37 @@ async def run_while_connected(request: Request, engine, groups) -> None:
     finally:
         watcher.cancel()
         if not run.done():
-            run.cancel()  # engine.run marks the groups aborted
+            run.cancel()  # the backend aborts the requests
             await asyncio.gather(run, return_exceptions=True)
             if watcher.done() and not watcher.cancelled():
                 raise ClientGone()
             raise Timeout(f"The request ran longer than this server's limit of {timeout:g} s (request_timeout) "
                           "and was stopped.")
-    run.result()
+    try:
+        return run.result()
+    except BackendUnavailable as exc:
+        raise Unavailable(str(exc) or "The model replica serving this request went away; try again.") from None
 
 
-def held_tokens(groups) -> int:
-    """What the hold takes: (prompt tokens + max_tokens) x n, summed over the groups (prompts)."""
-    return sum((g.num_prompt_tokens + g.params.max_tokens) * g.params.n for g in groups)
+def held_tokens(requests: list[GenerationRequest]) -> int:
+    """What the hold takes: (prompt tokens + max_tokens) x n, summed over the requests (prompts)."""
+    return sum((r.num_prompt_tokens + r.params.max_tokens) * r.params.n for r in requests)
 
 
-async def admit(request: Request, groups):
+async def admit(request: Request, requests: list[GenerationRequest]):
     """Hold the request's tokens (waiting in the queue if need be); see admission.py."""
-    hold = await request.app.state.admission.acquire(request.state.key_id, held_tokens(groups))
+    hold = await request.app.state.admission.acquire(request.state.key_id, held_tokens(requests))
     request.state.hold = hold
     return hold
 
 
-def release(request: Request, hold, groups) -> None:
+def release(request: Request, hold, requests: list[GenerationRequest], completion: int) -> None:
     """The request is over (done, failed, timed out or abandoned): give back its hold, and record its
     usage for the access log and the metrics."""
-    prompt = sum(g.num_prompt_tokens for g in groups)
-    completion = sum(len(s.token_ids) for g in groups for s in g.sequences)
+    prompt = sum(r.num_prompt_tokens for r in requests)
     request.state.usage = (prompt, completion)
     request.app.state.admission.release(
-        hold, used=sum(g.num_prompt_tokens * g.params.n for g in groups) + completion)
+        hold, used=sum(r.num_prompt_tokens * r.params.n for r in requests) + completion)
 
 
 class HeldStream(StreamingResponse):
@@ -144,40 +140,47 @@ class HeldStream(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.on_close()
             close = getattr(self.body_iterator, "aclose", None)
             if close is not None:
                 await close()
+            self.on_close()
 
 
-async def run_held(request: Request, engine, groups):
-    hold = await admit(request, groups)
+async def run_held(request: Request, backend, requests: list[GenerationRequest]):
+    hold = await admit(request, requests)
+    outputs = None
     try:
-        await run_while_connected(request, engine, groups)
+        outputs = await run_while_connected(request, backend, requests)
     finally:
-        release(request, hold, groups)
-    return hold
+        release(request, hold, requests, sum(o.num_generated for o in outputs) if outputs else 0)
+    return hold, outputs
 
 
-def stream_held(request: Request, engine, groups, hold, k: int, format_deltas, final_chunks) -> StreamingResponse:
-    gen = stream_groups(engine, groups, k, request.state.request_id, format_deltas, final_chunks,
-                        timeout=request.app.state.settings.request_timeout or None)
-    return HeldStream(gen, lambda: release(request, hold, groups), media_type="text/event-stream",
+def stream_held(request: Request, backend, requests, hold, k: int, format_deltas, final_chunks) -> StreamingResponse:
+    usage = {"completion": 0}
+
+    def on_end(end, released):
+        usage["completion"] = sum(end.num_generated) if end is not None else released
+
+    gen = stream_sse(backend, requests, k, request.state.request_id, format_deltas, final_chunks,
+                     timeout=request.app.state.settings.request_timeout or None, on_end=on_end)
+    return HeldStream(gen, lambda: release(request, hold, requests, usage["completion"]),
+                      media_type="text/event-stream",
                       headers={"cache-control": "no-cache", "x-accel-buffering": "no", **hold.headers})
 
 
 def resolve_model(request: Request, name: str | None, required: bool = True):
-    """The engine serving `name` (full name or alias); 404 for any other name."""
-    engine = request.app.state.engine
+    """The backend serving `name` (full name or alias); 404 for any other name."""
+    backend = request.app.state.backend
     if name is None and not required:
-        return engine
-    if name == engine.info.name or name in engine.info.aliases:
-        return engine
+        return backend
+    if name == backend.info.name or name in backend.info.aliases:
+        return backend
     raise ModelNotFound(name)
 
 
-def model_card(engine, limits) -> dict:
-    info = engine.info
+def model_card(backend, limits) -> dict:
+    info = backend.info
     return {
         "id": info.name, "object": "model", "created": CREATED, "owned_by": "logprobe",
         "aliases": info.aliases, "num_layers": info.num_layers, "d_model": info.d_model,
@@ -195,16 +198,16 @@ async def create_completion(request: Request):
     limits = request.app.state.limits
     body = await read_json(request)
     req = cmpl.parse_completion(body, limits)
-    engine = resolve_model(request, req.model)
-    prompts = await run_in_threadpool(cmpl.tokenize_prompts, engine, req)  # long texts: off the event loop
-    cmpl.check_caps(engine, req, prompts, limits)
-    groups, echoes = cmpl.build_groups(engine, req, prompts, request.state.request_id)
+    backend = resolve_model(request, req.model)
+    prompts = await run_in_threadpool(cmpl.tokenize_prompts, backend, req)  # long texts: off the event loop
+    cmpl.check_caps(backend, req, prompts, limits)
+    requests, echoes = cmpl.build_requests(backend, req, prompts, request.state.request_id)
     if req.stream:
-        format_deltas, final_chunks = cmpl.stream_formatters(engine, req, groups, echoes)
-        hold = await admit(request, groups)
-        return stream_held(request, engine, groups, hold, req.params.logprobs or 0, format_deltas, final_chunks)
-    hold = await run_held(request, engine, groups)
-    payload, parts = cmpl.format_response(engine, req, groups, echoes)
+        format_deltas, final_chunks = cmpl.stream_formatters(backend, req, requests, echoes)
+        hold = await admit(request, requests)
+        return stream_held(request, backend, requests, hold, req.params.logprobs or 0, format_deltas, final_chunks)
+    hold, outputs = await run_held(request, backend, requests)
+    payload, parts = cmpl.format_response(backend, req, requests, outputs, echoes)
     return with_headers(await body_response(payload, parts, whole_vocab=req.params.prompt_logprobs == -1),
                         hold.headers)
 
@@ -232,17 +235,18 @@ async def create_chat_completion(request: Request):
     limits = request.app.state.limits
     body = await read_json(request)
     req = chat.parse_chat(body, limits)
-    engine = resolve_model(request, req.model)
-    ids = await run_in_threadpool(chat.render_prompt, engine, req)
-    chat.check_caps(engine, req, ids, limits)
-    group = chat.build_group(engine, req, ids, request.state.request_id)
+    backend = resolve_model(request, req.model)
+    ids = await run_in_threadpool(chat.render_prompt, backend, req)
+    chat.check_caps(backend, req, ids, limits)
+    gen_request = chat.build_request(backend, req, ids, request.state.request_id)
     if req.stream:
-        format_deltas, final_chunks = chat.stream_formatters(engine, req, group)
-        hold = await admit(request, [group])
-        return stream_held(request, engine, [group], hold, req.params.logprobs or 0, format_deltas, final_chunks)
-    hold = await run_held(request, engine, [group])
+        format_deltas, final_chunks = chat.stream_formatters(backend, req)
+        hold = await admit(request, [gen_request])
+        return stream_held(request, backend, [gen_request], hold, req.params.logprobs or 0, format_deltas,
+                           final_chunks)
+    hold, (output,) = await run_held(request, backend, [gen_request])
     parts = Parts()
-    payload = chat.format_response(engine, req, group, parts)
+    payload = chat.format_response(backend, req, gen_request, output, parts)
     return with_headers(await body_response(payload, parts, whole_vocab=req.params.prompt_logprobs == -1),
                         hold.headers)
 
@@ -254,25 +258,25 @@ async def score(request: Request):
     limits = request.app.state.limits
     body = await read_json(request)
     req = scoring.parse_score(body, limits)
-    engine = resolve_model(request, req.model)
-    items = await run_in_threadpool(scoring.tokenize_items, engine, req)
-    scoring.check_caps(engine, req, items, limits)
-    groups = scoring.build_groups(engine, req, items, request.state.request_id)
-    hold = await run_held(request, engine, groups)
-    return with_headers(_json(scoring.format_response(engine, req, items, groups)), hold.headers)
+    backend = resolve_model(request, req.model)
+    items = await run_in_threadpool(scoring.tokenize_items, backend, req)
+    scoring.check_caps(backend, req, items, limits)
+    requests = scoring.build_requests(backend, req, items, request.state.request_id)
+    hold, outputs = await run_held(request, backend, requests)
+    return with_headers(_json(scoring.format_response(backend, req, items, outputs)), hold.headers)
 
 
 @router.get("/v1/models")
 async def list_models(request: Request):
     """The served model, as an OpenAI model list."""
-    return _json({"object": "list", "data": [model_card(request.app.state.engine, request.app.state.limits)]})
+    return _json({"object": "list", "data": [model_card(request.app.state.backend, request.app.state.limits)]})
 
 
 @router.get("/v1/models/{model:path}")
 async def get_model(request: Request, model: str):
     """The model card: aliases, layers, sizes, tokens and the size caps in force."""
-    engine = resolve_model(request, model)
-    return _json(model_card(engine, request.app.state.limits))
+    backend = resolve_model(request, model)
+    return _json(model_card(backend, request.app.state.limits))
 
 
 TOKENIZE_FIELDS = {"model", "prompt", "add_special_tokens"}
@@ -284,11 +288,11 @@ async def tokenize(request: Request):
     """Text -> token ids, with the model's special tokens unless `add_special_tokens` is false."""
     body = await read_json(request)
     v.check_known_fields(body, TOKENIZE_FIELDS, {})
-    engine = resolve_model(request, v.get_str(body, "model"), required=False)
+    backend = resolve_model(request, v.get_str(body, "model"), required=False)
     prompt = v.get_str(body, "prompt", required=True)
     add = v.get_bool(body, "add_special_tokens", True)
-    ids = await run_in_threadpool(lambda: engine.tokenizer(prompt, add_special_tokens=add).input_ids)
-    return _json({"tokens": ids, "count": len(ids), "max_model_len": engine.info.context_length})
+    ids = await run_in_threadpool(lambda: backend.tokenizer(prompt, add_special_tokens=add).input_ids)
+    return _json({"tokens": ids, "count": len(ids), "max_model_len": backend.info.context_length})
 
 
 @router.post("/detokenize")
@@ -296,23 +300,23 @@ async def detokenize(request: Request):
     """Token ids -> text."""
     body = await read_json(request)
     v.check_known_fields(body, DETOKENIZE_FIELDS, {})
-    engine = resolve_model(request, v.get_str(body, "model"), required=False)
+    backend = resolve_model(request, v.get_str(body, "model"), required=False)
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
         raise v.type_error("tokens", "an array of integers", nullable=False)
-    vocab = engine.info.vocab_size
+    vocab = backend.info.vocab_size
     bad = [t for t in tokens if t < 0 or t >= vocab]
     if bad:
         raise InvalidRequest(f"Invalid value for 'tokens': token id {bad[0]} is outside the vocabulary "
                              f"(0 to {vocab - 1}).", "tokens")
-    return _json({"prompt": engine.tokenizer.decode(tokens)})
+    return _json({"prompt": backend.tokenizer.decode(tokens)})
 
 
 @router.get("/tokenizer_info")
 async def tokenizer_info(request: Request):
     """What evaluation harnesses probe: special tokens, vocabulary size, context length."""
-    info = request.app.state.engine.info
-    tok = request.app.state.engine.tokenizer
+    info = request.app.state.backend.info
+    tok = request.app.state.backend.tokenizer
     return _json({
         "model": info.name, "tokenizer_class": type(tok).__name__, "vocab_size": info.vocab_size,
         "bos_token": info.bos_token, "bos_token_id": info.bos_token_id, "eos_token": info.eos_token,
@@ -329,14 +333,16 @@ async def health(request: Request):
     exception's class; the engine clears `failing` as soon as a step succeeds, its own self-check
     included)."""
     state = request.app.state
-    engine, admission = state.engine, state.admission
-    health = engine.health if engine is not None else {}
-    status = ("loading" if engine is None else "draining" if admission.draining
+    backend, admission = state.backend, state.admission
+    health = backend.stats() if backend is not None else {}
+    status = ("loading" if backend is None else "draining" if admission.draining
               else "failing" if health["failing"] else "ready")
     body = {"status": status, "requests_running": admission.running, "requests_queued": admission.queue_depth,
-            "tokens_held": admission.held, "in_flight": engine.num_in_flight if engine else 0,
-            "engine_steps": engine.num_steps if engine else 0}
-    if engine is not None:
+            "tokens_held": admission.held, "in_flight": health.get("in_flight", 0),
+            "engine_steps": health.get("steps", 0)}
+    if "replicas" in health:  # a backend of several replicas (serve/ray_app.py)
+        body["replicas"] = health["replicas"]
+    if backend is not None:
         body["engine_failures"] = {"steps": health["step_failures"], "requests": health["request_failures"]}
         if "last_error" in health:
             body["last_error"] = health["last_error"]

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import Limits
-from ..engine.request import SamplingParams, SequenceGroup
-from ..engine.tokenizer import TextAssembler
+from ..backend import GenerationOutput, GenerationRequest, SamplingParams
+from ..tokens import TextAssembler
 from ..output.logprobs import TokenNamer, legacy_logprobs
 from . import validation as v
 from .common import ResidualRequest, check_request_caps, check_text_length, parse_residual, residual_layers, residual_of
@@ -75,12 +75,12 @@ def parse_score(body: dict, limits: Limits) -> ScoreRequest:
                         parse_residual(body.get("output_residual_stream")))
 
 
-def tokenize_items(engine, req: ScoreRequest) -> list[ScoreItem]:
-    tok, info = engine.tokenizer, engine.info
+def tokenize_items(backend, req: ScoreRequest) -> list[ScoreItem]:
+    tok, info = backend.tokenizer, backend.info
     start_id = info.bos_token_id if info.bos_token_id is not None else info.eos_token_id
     items = []
     for i, (inp, ctx) in enumerate(zip(req.inputs, req.contexts)):
-        check_text_length(engine, [inp, ctx], "context" if isinstance(ctx, str) and len(ctx) > len(inp) else "input")
+        check_text_length(backend, [inp, ctx], "context" if isinstance(ctx, str) and len(ctx) > len(inp) else "input")
         head = [start_id] if req.add_bos and start_id is not None else []
         if ctx:
             head += tok(ctx, add_special_tokens=False).input_ids
@@ -100,26 +100,26 @@ def tokenize_items(engine, req: ScoreRequest) -> list[ScoreItem]:
     return items
 
 
-def check_caps(engine, req: ScoreRequest, items: list[ScoreItem], limits: Limits) -> None:
+def check_caps(backend, req: ScoreRequest, items: list[ScoreItem], limits: Limits) -> None:
     params = SamplingParams(max_tokens=0, echo=True, logprobs=req.top_logprobs or 0)
-    check_request_caps(engine, [it.token_ids for it in items], params, req.residual, limits,
+    check_request_caps(backend, [it.token_ids for it in items], params, req.residual, limits,
                        prompt_param="input", max_tokens_param="input", positions_param="input")
 
 
-def build_groups(engine, req: ScoreRequest, items: list[ScoreItem], request_id: str) -> list[SequenceGroup]:
+def build_requests(backend, req: ScoreRequest, items: list[ScoreItem], request_id: str) -> list[GenerationRequest]:
     params = SamplingParams(max_tokens=0, echo=True, logprobs=req.top_logprobs or 0,
-                            residual_layers=residual_layers(engine, req.residual))
-    return [SequenceGroup(request_id, it.token_ids, params, engine.table) for it in items]
+                            residual_layers=residual_layers(backend, req.residual))
+    return [GenerationRequest(request_id, it.token_ids, params) for it in items]
 
 
-def format_response(engine, req: ScoreRequest, items: list[ScoreItem], groups: list[SequenceGroup]) -> dict:
-    namer = TokenNamer(engine.table.strings, req.return_tokens_as_token_ids)
+def format_response(backend, req: ScoreRequest, items: list[ScoreItem], outputs: list[GenerationOutput]) -> dict:
+    namer = TokenNamer(backend.table.strings, req.return_tokens_as_token_ids)
     data, total = [], 0
-    for index, (item, group) in enumerate(zip(items, groups)):
-        pc = group.prompt_columns
+    for index, (item, out) in enumerate(zip(items, outputs)):
+        pc = out.prompt_columns
         sl = slice(item.first, len(item.token_ids))
         ids = np.asarray(item.token_ids[sl], dtype=np.int64)
-        asm = TextAssembler(engine.table)
+        asm = TextAssembler(backend.table)
         for t in ids.tolist():
             asm.add(t)
         k = req.top_logprobs or 0
@@ -142,10 +142,10 @@ def format_response(engine, req: ScoreRequest, items: list[ScoreItem], groups: l
                       "perplexity": _perplexity(mean),
                       "num_tokens": num, "is_greedy": bool(np.all(ranks == 1))})
         if req.residual is not None:  # the input's tokens, in the order of the lists above
-            entry["residual_stream"] = residual_of(engine, req.residual, group.sequences[0], sl)
+            entry["residual_stream"] = residual_of(backend, req.residual, out.choices[0], sl)
         data.append(entry)
         total += len(item.token_ids)
-    return {"object": "list", "model": engine.info.name, "data": data,
+    return {"object": "list", "model": backend.info.name, "data": data,
             "usage": {"prompt_tokens": total, "total_tokens": total}}
 
 

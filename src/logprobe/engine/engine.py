@@ -1,50 +1,33 @@
-"""The engine: the one owner of the model.
+"""The engine: the one owner of the model, and the in-process `Backend` (backend.py).
 
 A single thread runs the step loop (schedule, run, postprocess), so no two requests ever run the model
-at once. The asyncio side submits `SequenceGroup`s and awaits their completion; it never touches the
-model.
+at once. The asyncio side (`run`, `stream`) turns `GenerationRequest`s into `SequenceGroup`s, submits
+them and awaits their completion; it never touches the model.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 
 import torch
 
-from .request import FinishReason, SamplingParams, Sequence, SequenceGroup
+from ..backend import (Delta, FinishReason, GenerationOutput, GenerationRequest, ModelInfo, SamplingParams,
+                       StreamEnd, finished_without_forward)
+from .request import Sequence, SequenceGroup
+from .streaming import attach_releasers
 from . import fast_runner
 from .runner import ModelRunner
 from .sampler import sample_row
 from .scheduler import Scheduler
-from .tokenizer import TokenTable
+from ..tokens import TokenTable
 
 log = logging.getLogger("logprobe.engine")
-
-
-@dataclass
-class ModelInfo:
-    """What the API tells about the served model."""
-
-    name: str
-    aliases: list[str]
-    num_layers: int
-    d_model: int
-    vocab_size: int
-    context_length: int
-    dtype: str
-    bos_token: str | None
-    eos_token: str | None
-    bos_token_id: int | None
-    eos_token_id: int | None
-    adds_bos: bool
-    has_chat_template: bool
-    stop_token_ids: frozenset[int] = field(default_factory=frozenset)
-    quantization: str | None = None  # "int4": decode steps of few rows read 4-bit weights
 
 
 def describe_model(model, tokenizer, name: str, aliases: list[str]) -> ModelInfo:
@@ -112,7 +95,7 @@ class Engine:
         self._last_prompt_only = 0  # groups in the last batch of prompt-only groups run alone
         self.step_observer = None  # called on the engine thread with (seconds, rows) after each step
         self.failure_observer = None  # called on the engine thread with "step" or "request" after a failure
-        self._prompt_encoders = {}
+        self._running_by_id: dict[str, list[SequenceGroup]] = {}
         # Health: a step that fails (a bug in a shared pass or in shared state) fails the requests in it,
         # resets the runner's shared state and queues a self-check; the engine is "failing" from that
         # failure until a step succeeds again.
@@ -122,16 +105,6 @@ class Engine:
         self.failing = False
         self._check_due: float | None = None  # when the next self-check may run (while failing)
         self._check_ids = (tokenizer("The", add_special_tokens=True).input_ids or [0])[:4]
-
-    def prompt_encoder(self, as_ids: bool = False):
-        """The per-model byte encoder of prompt_logprobs maps (built on first use)."""
-        from ..output.prompt_json import PromptLogprobsEncoder
-
-        if as_ids not in self._prompt_encoders:
-            names = ([f"token_id:{i}" for i in range(self.info.vocab_size)] if as_ids
-                     else self.table.strings.tolist())
-            self._prompt_encoders[as_ids] = PromptLogprobsEncoder(names)
-        return self._prompt_encoders[as_ids]
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -175,7 +148,7 @@ class Engine:
             self._inbox.put(group)
         return futures
 
-    async def run(self, groups: list[SequenceGroup]) -> list[SequenceGroup]:
+    async def run_groups(self, groups: list[SequenceGroup]) -> list[SequenceGroup]:
         """Run groups to completion. Cancelling the awaiting task aborts them."""
         futures = self.submit(groups)
         try:
@@ -185,6 +158,75 @@ class Engine:
                 group.is_aborted = True
             raise
         return groups
+
+    # ---- the Backend protocol (backend.py) -------------------------------------------------
+    async def run(self, requests: list[GenerationRequest]) -> list[GenerationOutput]:
+        """Run requests to the end; one that needs no forward pass is answered without queueing.
+        Cancelling the awaiting task aborts them."""
+        groups = {i: SequenceGroup.from_request(r, self.table) for i, r in enumerate(requests)
+                  if r.params.needs_forward}
+        with self._tracked(groups.values()):
+            await self.run_groups(list(groups.values()))
+        return [groups[i].output() if i in groups else finished_without_forward(r) for i, r in enumerate(requests)]
+
+    async def stream(self, requests: list[GenerationRequest], k: int) -> AsyncIterator[list[Delta] | StreamEnd]:
+        """Lists of Delta as steps release tokens, then a StreamEnd. Closing the iterator early (the
+        client went away, a time-out) aborts the requests: the engine drops them before their next step."""
+        loop = asyncio.get_running_loop()
+        groups = [SequenceGroup.from_request(r, self.table) for r in requests]
+        queue: asyncio.Queue = asyncio.Queue()
+        attach_releasers(groups, k, loop, queue)
+        with self._tracked(groups):
+            done = asyncio.gather(*self.submit(groups))
+            getter = None
+            try:
+                while True:
+                    getter = asyncio.ensure_future(queue.get())
+                    await asyncio.wait({getter, done}, return_when=asyncio.FIRST_COMPLETED)
+                    if getter.done():
+                        yield getter.result()
+                        continue
+                    getter.cancel()
+                    while not queue.empty():  # deltas posted before the last future resolved
+                        yield queue.get_nowait()
+                    if done.exception() is not None:
+                        raise done.exception()
+                    break
+                yield StreamEnd([g.num_prompt_tokens for g in groups],
+                                [sum(len(s.token_ids) for s in g.sequences) for g in groups])
+            finally:
+                if getter is not None and not getter.done():
+                    getter.cancel()
+                for group in groups:
+                    if not group.is_finished:
+                        group.is_aborted = True
+                if not done.done():
+                    done.cancel()
+                    done.add_done_callback(_consume)
+
+    def abort(self, request_id: str) -> None:
+        for group in self._running_by_id.get(request_id, ()):
+            group.is_aborted = True
+
+    def stats(self) -> dict:
+        return {"in_flight": self.num_in_flight, "steps": self.num_steps,
+                "kv_cache_bytes": self.runner.kv_cache_bytes, **self.health}
+
+    @contextlib.contextmanager
+    def _tracked(self, groups):
+        """Groups findable by request id (for `abort`) while they run."""
+        groups = list(groups)
+        for g in groups:
+            self._running_by_id.setdefault(g.request_id, []).append(g)
+        try:
+            yield
+        finally:
+            for g in groups:
+                held = self._running_by_id.get(g.request_id, [])
+                if g in held:
+                    held.remove(g)
+                if not held:
+                    self._running_by_id.pop(g.request_id, None)
 
     # ---- the step loop (engine thread only) ------------------------------------------------
     def _loop(self) -> None:
@@ -500,6 +542,12 @@ def _trim_heap() -> None:
     has seen; malloc_trim returns it (a few ms, only when the engine goes idle)."""
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)
+
+
+def _consume(fut: asyncio.Future) -> None:
+    """Mark a cancelled gather's outcome as seen (asyncio logs it otherwise)."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _resolver(loop: asyncio.AbstractEventLoop, fut: asyncio.Future):

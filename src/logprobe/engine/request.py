@@ -1,78 +1,22 @@
-"""What the engine knows about a request: its parameters, its sequences and their output columns.
+"""What the engine keeps of a request while it runs: its sequences, their columns and random streams.
 
-The API layer turns a validated HTTP request into `SequenceGroup`s (one per prompt, each holding the
-request's `n` choices). The engine fills numpy columns; the output layer turns columns into bytes.
+The engine turns each `GenerationRequest` (backend.py) into a `SequenceGroup` (one prompt and its `n`
+choices), fills its numpy columns step by step, and hands back a `GenerationOutput`. This state is the
+engine's own: nothing outside `engine/` reads or writes it.
 """
 
 from __future__ import annotations
 
-import enum
 import os
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from .tokenizer import TextAssembler, TokenTable
+from ..backend import (ChoiceOutput, FinishReason, GenerationOutput, GenerationRequest, PromptColumns,
+                       SamplingParams)
+from ..tokens import TextAssembler, TokenTable
 
-
-@dataclass
-class SamplingParams:
-    """Everything the engine needs to run one prompt's choices."""
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
-    n: int = 1
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: frozenset[int] = frozenset()
-    logprobs: int | None = None  # top-k for generated tokens (None: no logprobs)
-    echo: bool = False
-    prompt_logprobs: int | None = None  # top-k for prompt positions (-1: whole vocabulary)
-    residual_layers: tuple[int, ...] = ()  # layers (0..num_layers) whose residual stream to return
-
-    @property
-    def is_greedy(self) -> bool:
-        """Temperatures below 1e-5 are greedy, as in vLLM (dividing by them overflows)."""
-        return self.temperature < 1e-5
-
-    @property
-    def num_prompt_top(self) -> int:
-        """Top-k width needed at prompt positions."""
-        ks = [self.prompt_logprobs if self.prompt_logprobs and self.prompt_logprobs > 0 else 0]
-        if self.echo and self.logprobs is not None:
-            ks.append(self.logprobs)
-        return max(0, *ks)
-
-    @property
-    def needs_forward(self) -> bool:
-        """False only for a request that asks for nothing the model computes (max_tokens 0, no prompt
-        log probabilities, no activations): it is answered without the engine."""
-        return self.max_tokens > 0 or self.needs_prompt_logits or bool(self.residual_layers)
-
-    @property
-    def needs_prompt_logits(self) -> bool:
-        return self.prompt_logprobs is not None or (self.echo and self.logprobs is not None)
-
-
-class FinishReason(str, enum.Enum):
-    LENGTH = "length"
-    STOP = "stop"
-
-
-@dataclass
-class PromptColumns:
-    """Log probabilities of the prompt's own tokens. Row i describes position i (row 0 is empty: no
-    token comes before the first one)."""
-
-    logprobs: np.ndarray  # [P] float32, nan at 0
-    ranks: np.ndarray  # [P] int64, 0 at 0
-    top_ids: np.ndarray  # [P, k] int64
-    top_logprobs: np.ndarray  # [P, k] float32
-    full: np.ndarray | None = None  # [P, V] float32, every token's log probability (prompt_logprobs -1)
-    full_ranks: np.ndarray | None = None  # [P, V] int32, their ranks
+__all__ = ["FinishReason", "PromptColumns", "SamplingParams", "Sequence", "SequenceGroup"]
 
 
 def _make_generator(seed: int | None, index: int) -> torch.Generator:
@@ -108,6 +52,12 @@ class Sequence:
     @property
     def num_kept_tokens(self) -> int:
         return len(self.token_ids) if self.num_kept is None else self.num_kept
+
+    def output(self, k: int) -> ChoiceOutput:
+        ids, lps, top_ids, top_lps = self.columns(k)
+        text = self.text.text if self.text_end is None else self.text.text[: self.text_end]
+        return ChoiceOutput(self.index, ids, lps, top_ids, top_lps, list(self.text.offsets[: len(ids)]), text,
+                            self.finish_reason.value, len(self.token_ids), self.residual)
 
     def columns(self, k: int, start: int = 0, stop: int | None = None):
         """(ids, logprobs, top ids [., k], top logprobs [., k]) of kept tokens start..stop. Streaming
@@ -150,3 +100,12 @@ class SequenceGroup:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_ids)
+
+    @classmethod
+    def from_request(cls, request: GenerationRequest, table: TokenTable) -> "SequenceGroup":
+        return cls(request.request_id, list(request.prompt_ids), request.params, table, request.text_start)
+
+    def output(self) -> GenerationOutput:
+        k = self.params.logprobs or 0
+        return GenerationOutput(self.request_id, self.num_prompt_tokens, self.prompt_columns,
+                                [seq.output(k) for seq in self.sequences])

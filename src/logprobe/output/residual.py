@@ -5,17 +5,27 @@ from __future__ import annotations
 import base64
 
 import numpy as np
-import torch
+
+
+def to_bfloat16_bits(matrix: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns (uint16), rounded to nearest even as torch does; NaN stays NaN."""
+    bits = np.ascontiguousarray(matrix, dtype=np.float32).view(np.uint32)
+    rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) >> 16).astype(np.uint16)
+    return np.where(np.isnan(matrix), np.uint16(0x7FC0), rounded)
+
+
+def from_bfloat16_bits(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
 def encode_matrix(matrix: np.ndarray, dtype: str, encoding: str):
     """A [N, D] float32 matrix in the asked dtype: base64 of its little-endian bytes, or nested lists
     (of the values rounded to that dtype)."""
     if dtype == "bfloat16":
-        as_bf16 = torch.from_numpy(np.ascontiguousarray(matrix)).to(torch.bfloat16)
+        bits = to_bfloat16_bits(matrix)
         if encoding == "json":
-            return as_bf16.float().tolist()
-        return base64.b64encode(as_bf16.view(torch.int16).numpy().astype("<i2").tobytes()).decode()
+            return from_bfloat16_bits(bits).tolist()
+        return base64.b64encode(bits.astype("<u2").tobytes()).decode()
     arr = np.ascontiguousarray(matrix, dtype="<f4" if dtype == "float32" else "<f2")
     if encoding == "json":
         return arr.astype(np.float32).tolist()

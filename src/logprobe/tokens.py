@@ -1,4 +1,4 @@
-"""The tokenizer side of the engine: token ids <-> text, and each token's own bytes.
+"""Token ids <-> text, and each token's own bytes.
 
 The API reports a token as "the text of the single token": its bytes decoded as UTF-8, or
 `bytes:\\xe2\\x80` when they are a piece of a multi-byte character. Those bytes are computed once per

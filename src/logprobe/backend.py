@@ -1,0 +1,221 @@
+"""The seam between the HTTP API and whatever runs the model.
+
+The API hands over `GenerationRequest`s (a prompt's token ids, its sampling parameters, what to return)
+and gets back `GenerationOutput`s (or, streaming, `Delta`s then a `StreamEnd`). Everything here is plain
+data (numpy arrays, strings, numbers): picklable, so it crosses a process boundary as it is (Ray Serve
+replicas, serve/ray_app.py), and free of torch, so `logprobe.api` and `logprobe.output` import without
+it. `Backend` is what the API needs of a model server; the engine (engine/engine.py) implements it in
+process, `serve.ray_app.RayBackend` through Ray Serve, and the API tests use a fake one.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from .tokens import TokenTable
+
+
+@dataclass
+class SamplingParams:
+    """Everything the engine needs to run one prompt's choices."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    n: int = 1
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: frozenset[int] = frozenset()
+    logprobs: int | None = None  # top-k for generated tokens (None: no logprobs)
+    echo: bool = False
+    prompt_logprobs: int | None = None  # top-k for prompt positions (-1: whole vocabulary)
+    residual_layers: tuple[int, ...] = ()  # layers (0..num_layers) whose residual stream to return
+
+    @property
+    def is_greedy(self) -> bool:
+        """Temperatures below 1e-5 are greedy, as in vLLM (dividing by them overflows)."""
+        return self.temperature < 1e-5
+
+    @property
+    def num_prompt_top(self) -> int:
+        """Top-k width needed at prompt positions."""
+        ks = [self.prompt_logprobs if self.prompt_logprobs and self.prompt_logprobs > 0 else 0]
+        if self.echo and self.logprobs is not None:
+            ks.append(self.logprobs)
+        return max(0, *ks)
+
+    @property
+    def needs_forward(self) -> bool:
+        """False only for a request that asks for nothing the model computes (max_tokens 0, no prompt
+        log probabilities, no activations): it is answered without the engine."""
+        return self.max_tokens > 0 or self.needs_prompt_logits or bool(self.residual_layers)
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        return self.prompt_logprobs is not None or (self.echo and self.logprobs is not None)
+
+
+class FinishReason(str, enum.Enum):
+    LENGTH = "length"
+    STOP = "stop"
+
+
+@dataclass
+class PromptColumns:
+    """Log probabilities of the prompt's own tokens. Row i describes position i (row 0 is empty: no
+    token comes before the first one)."""
+
+    logprobs: np.ndarray  # [P] float32, nan at 0
+    ranks: np.ndarray  # [P] int64, 0 at 0
+    top_ids: np.ndarray  # [P, k] int64
+    top_logprobs: np.ndarray  # [P, k] float32
+    full: np.ndarray | None = None  # [P, V] float32, every token's log probability (prompt_logprobs -1)
+    full_ranks: np.ndarray | None = None  # [P, V] int32, their ranks
+
+
+@dataclass
+class ModelInfo:
+    """What the API tells about the served model."""
+
+    name: str
+    aliases: list[str]
+    num_layers: int
+    d_model: int
+    vocab_size: int
+    context_length: int
+    dtype: str
+    bos_token: str | None
+    eos_token: str | None
+    bos_token_id: int | None
+    eos_token_id: int | None
+    adds_bos: bool
+    has_chat_template: bool
+    stop_token_ids: frozenset[int] = field(default_factory=frozenset)
+    quantization: str | None = None  # "int4": decode steps of few rows read 4-bit weights
+
+
+# ---- what the API hands over ---------------------------------------------------------------------
+
+
+@dataclass
+class GenerationRequest:
+    """One prompt and its `params.n` choices."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    text_start: int = 0  # where the generated text starts in the choice's text (after an echoed prompt)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+
+# ---- what comes back -----------------------------------------------------------------------------
+
+
+@dataclass
+class ChoiceOutput:
+    """One finished choice. The token columns hold the kept tokens: those before a stop string's cut."""
+
+    index: int
+    token_ids: np.ndarray  # [T] int64
+    logprobs: np.ndarray  # [T] float32, each token's log probability where it was sampled
+    top_ids: np.ndarray  # [T, k] int64, the k likeliest tokens at each step (k = params.logprobs)
+    top_logprobs: np.ndarray  # [T, k] float32
+    offsets: list[int]  # each kept token's start in the choice's text (from request.text_start)
+    text: str  # the generated text (cut before a stop string)
+    finish_reason: str
+    num_generated: int  # every token generated, the cut ones included (usage counts them)
+    residual: dict[int, np.ndarray] | None = None  # layer -> [prompt + kept tokens, d_model] float32
+
+
+@dataclass
+class GenerationOutput:
+    request_id: str
+    num_prompt_tokens: int
+    prompt_columns: PromptColumns | None  # when the request asked for prompt log probabilities
+    choices: list[ChoiceOutput]
+
+    @property
+    def num_generated(self) -> int:
+        return sum(c.num_generated for c in self.choices)
+
+
+@dataclass
+class Delta:
+    """What one choice sends in one streamed chunk: the tokens released since the last one, with the
+    text they complete. While stop strings are set, the last (longest stop - 1) characters are held
+    back, so that the streamed text and tokens always equal the answer without streaming."""
+
+    group_index: int  # which request of the stream (a prompt of a completions request)
+    seq_index: int  # which choice of it
+    is_first: bool
+    text: str
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+    offsets: list[int]
+    finish_reason: str | None
+    prompt_columns: PromptColumns | None = None  # on a choice's first delta, when the prompt was scored
+
+
+@dataclass
+class StreamEnd:
+    """The last item of a stream: every request finished (usage is read from it)."""
+
+    num_prompt_tokens: list[int]
+    num_generated: list[int]
+
+
+# ---- the backend ---------------------------------------------------------------------------------
+
+
+class BackendUnavailable(Exception):
+    """The backend could not run a request for a reason of its own, not the request's (a replica's
+    process died under it): the API answers 503."""
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """A model server as the API sees it.
+
+    - `info`, `tokenizer` (a transformers tokenizer: the API tokenizes, renders chat templates and
+      checks lengths before anything is queued) and `table` (each token's text and bytes);
+    - `run`: run requests to the end; cancelling the awaiting task aborts them (the backend drops them
+      before their next step). Raises the request's error, or BackendUnavailable;
+    - `stream`: the same, as an async iterator of lists of `Delta` (one list per step that released
+      something) ending with a `StreamEnd`; closing the iterator early aborts the requests;
+    - `abort`: stop the requests with this id wherever they are;
+    - `stats`: numbers for /health and /metrics: `in_flight`, `steps`, `kv_cache_bytes`, `failing`,
+      `step_failures`, `request_failures` and, after a failure, `last_error` ({"type", "at"}).
+    """
+
+    info: ModelInfo
+    tokenizer: Any
+    table: TokenTable
+
+    async def run(self, requests: list[GenerationRequest]) -> list[GenerationOutput]: ...
+
+    def stream(self, requests: list[GenerationRequest], k: int) -> AsyncIterator[list[Delta] | StreamEnd]: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def stats(self) -> dict: ...
+
+
+def finished_without_forward(request: GenerationRequest) -> GenerationOutput:
+    """The answer to a request that asks for nothing the model computes (max_tokens 0, no prompt
+    log probabilities, no activations): every choice ends at once with `length`."""
+    k = request.params.logprobs or 0
+    empty = ChoiceOutput(0, np.zeros(0, np.int64), np.zeros(0, np.float32), np.zeros((0, k), np.int64),
+                         np.zeros((0, k), np.float32), [], "", FinishReason.LENGTH.value, 0)
+    choices = [ChoiceOutput(**{**empty.__dict__, "index": j}) for j in range(request.params.n)]
+    return GenerationOutput(request.request_id, request.num_prompt_tokens, None, choices)

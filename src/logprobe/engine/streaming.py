@@ -1,0 +1,75 @@
+"""The engine's side of streaming: after each step of a group, `Releaser`s (one per choice) decide, on
+the engine thread, which new tokens can go out as `Delta`s (backend.py).
+
+A token is released with the text it completes. While stop strings are set, the last `longest stop - 1`
+characters are held back (a stop string may still be forming), so the streamed text and tokens always
+equal the answer without streaming.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from ..backend import Delta
+from .request import Sequence, SequenceGroup
+
+
+class Releaser:
+    def __init__(self, seq: Sequence, group: SequenceGroup, k: int, hold_chars: int):
+        self.seq = seq
+        self.group = group
+        self.k = k
+        self.hold = hold_chars
+        self.tokens = 0  # tokens released so far
+        self.chars = 0  # characters of the generated text released so far
+        self.is_first = True
+        self.ended = False  # the delta with this choice's finish_reason has gone out
+
+    def release(self, group_index: int) -> Delta | None:
+        """The choice's next delta, or None when there is nothing new. The delta that carries the
+        finish_reason is the last: a choice that ended while the others go on sends nothing more."""
+        if self.ended:
+            return None
+        seq = self.seq
+        text = seq.text.text
+        start = seq.text.offsets[0] if seq.text.offsets else 0
+        if seq.is_finished:
+            upto = len(seq.token_ids) if seq.num_kept is None else seq.num_kept
+            chars = len(text) if seq.text_end is None else seq.text_end
+        else:
+            safe = len(text) - self.hold
+            upto = self.tokens
+            offsets, count = seq.text.offsets, len(seq.token_ids)
+
+            def end_of(i):  # where token i's text ends: where the next token starts
+                return (offsets[i + 1] if i + 1 < count else start + len(text)) - start
+
+            while upto < count and end_of(upto) <= safe:
+                upto += 1
+            chars = end_of(upto - 1) if upto > self.tokens else self.chars
+        if upto == self.tokens and chars == self.chars and not seq.is_finished and not self.is_first:
+            return None
+        ids, lps, top_ids, top_lps = seq.columns(self.k, self.tokens, upto)
+        delta = Delta(group_index, seq.index, self.is_first, text[self.chars:chars], ids, lps,
+                      top_ids, top_lps, list(seq.text.offsets[self.tokens:upto]),
+                      seq.finish_reason.value if seq.is_finished else None,
+                      self.group.prompt_columns if self.is_first else None)
+        self.tokens, self.chars, self.is_first = upto, chars, False
+        self.ended = seq.is_finished
+        return delta
+
+
+def attach_releasers(groups: list[SequenceGroup], k: int, loop: asyncio.AbstractEventLoop,
+                     queue: asyncio.Queue) -> None:
+    """Set each group's on_step to release its choices' new tokens into `queue` (as lists of Delta)."""
+    for g_index, group in enumerate(groups):
+        stops = group.params.stop
+        hold = max((len(s) for s in stops), default=1) - 1
+        releasers = [Releaser(seq, group, k, hold) for seq in group.sequences]
+
+        def on_step(group, releasers=releasers, g_index=g_index):
+            deltas = [d for d in (r.release(g_index) for r in releasers) if d is not None]
+            if deltas and not loop.is_closed():
+                loop.call_soon_threadsafe(queue.put_nowait, deltas)
+
+        group.on_step = on_step
