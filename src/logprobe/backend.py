@@ -178,6 +178,10 @@ class StreamEnd:
 # ---- the backend ---------------------------------------------------------------------------------
 
 
+class RequestAborted(Exception):
+    """The request was stopped by `Backend.abort` before it finished."""
+
+
 class BackendUnavailable(Exception):
     """The backend could not run a request for a reason of its own, not the request's (a replica's
     process died under it): the API answers 503."""

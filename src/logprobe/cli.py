@@ -40,6 +40,21 @@ def build_parser() -> argparse.ArgumentParser:
                        help="address to bind (default 127.0.0.1: only this machine; use 0.0.0.0 with --api-key)")
     serve.add_argument("--port", type=int, default=env_default("port", s.port))
     serve.add_argument("--log-level", default=env_default("log_level", s.log_level))
+    cluster = serve.add_argument_group("replicas on Ray Serve (docs/cluster.md; pip install 'logprobe[ray]')")
+    cluster.add_argument("--replicas", default=env_default("replicas", s.replicas), metavar="N|MIN:MAX",
+                         help="serve N model replicas behind one address (MIN:MAX: autoscaled); without it, "
+                              "one process")
+    cluster.add_argument("--ray-address", default=env_default("ray_address", s.ray_address), metavar="ADDRESS",
+                         help="join this Ray cluster (e.g. 10.0.0.1:6379, after `ray start --head`); without "
+                              "it a local Ray is started on 127.0.0.1")
+    cluster.add_argument("--cpus-per-replica", type=float, default=env_default("cpus_per_replica", s.cpus_per_replica),
+                         metavar="CORES", help="CPU cores Ray reserves for each replica (its torch threads); "
+                                               "--device cuda replicas ask for one GPU each")
+    cluster.add_argument("--ray-cpus", type=int, default=env_default("ray_cpus", s.ray_cpus), metavar="N",
+                         help="CPUs of the local Ray (default: this machine's)")
+    cluster.add_argument("--max-ongoing-per-replica", type=int,
+                         default=env_default("max_ongoing_per_replica", s.max_ongoing_per_replica), metavar="N",
+                         help="requests one replica takes at once; Serve keeps more waiting for a replica with room")
     auth = serve.add_argument_group("API keys (also LOGPROBE_API_KEY, comma-separated)")
     auth.add_argument("--api-key", action="append", default=[], metavar="KEY",
                       help="a key clients must send as Authorization: Bearer KEY (repeatable)")
@@ -77,7 +92,9 @@ def settings_from_args(args) -> Settings:
     return Settings(model=args.model, aliases=args.alias, chat_template=args.chat_template, dtype=args.dtype, device=args.device,
                     quantization=args.quantization, max_model_len=args.max_model_len,
                     kv_cache_positions=args.kv_cache_positions, host=args.host, port=args.port, log_level=args.log_level, limits=limits, admission=admission,
-                    api_keys=keys)
+                    api_keys=keys, replicas=args.replicas, ray_address=args.ray_address,
+                    cpus_per_replica=args.cpus_per_replica, ray_cpus=args.ray_cpus,
+                    max_ongoing_per_replica=args.max_ongoing_per_replica)
 
 
 def serve(settings: Settings) -> int:
@@ -171,10 +188,31 @@ def serve(settings: Settings) -> int:
     return 0 if server.started else 1
 
 
+def serve_replicas(settings: Settings) -> int:
+    from .cluster import local_ray_environment
+
+    local_ray_environment(joining=bool(settings.ray_address))
+    try:
+        from .cluster import ray_app
+    except ImportError as exc:
+        print(f"logprobe: --replicas runs on Ray Serve, which is not installed ({exc.name}): "
+              "pip install 'logprobe[ray]'", file=sys.stderr)
+        return 2
+    try:
+        ray_app.parse_replicas(settings.replicas)
+    except ValueError as exc:
+        print(f"logprobe: {exc}", file=sys.stderr)
+        return 2
+    return ray_app.run(settings)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
-        return serve(settings_from_args(args))
+        settings = settings_from_args(args)
+        if settings.replicas:
+            return serve_replicas(settings)
+        return serve(settings)
     if args.command == "score":
         from . import score_cli
 

@@ -43,6 +43,12 @@ class Settings:
     limits: Limits = field(default_factory=Limits)
     admission: "AdmissionSettings" = field(default_factory=lambda: AdmissionSettings())
     api_keys: list[str] = field(default_factory=list)
+    # Replicas on Ray Serve (cluster/ray_app.py); "" is one process
+    replicas: str = ""  # "N", or "MIN:MAX" to autoscale
+    ray_address: str | None = None  # join this Ray cluster; None starts a local one bound to 127.0.0.1
+    cpus_per_replica: float = 1.0  # CPU cores Ray reserves for each replica (torch uses as many threads)
+    ray_cpus: int = 0  # a local Ray's CPUs (0: this machine's)
+    max_ongoing_per_replica: int = 64  # requests Serve sends one replica at once; more wait for a free one
 
 
 @dataclass

@@ -17,38 +17,38 @@ def status(client, body):
     return r.status_code, (r.json().get("error") or {}) if r.status_code != 200 else r.json()
 
 
-def test_whole_vocabulary_cap_256(client):
-    code, body = status(client, {"prompt": [[9] * 128, [9] * 128], "max_tokens": 0, "prompt_logprobs": -1})
+def test_whole_vocabulary_cap_256(fake_client):
+    code, body = status(fake_client, {"prompt": [[9] * 128, [9] * 128], "max_tokens": 0, "prompt_logprobs": -1})
     assert code == 200
     assert body.count(b'"rank":') == 2 * 127 * 49152  # every token at every non-first position
-    code, err = status(client, {"prompt": [[9] * 128, [9] * 129], "max_tokens": 0, "prompt_logprobs": -1})
+    code, err = status(fake_client, {"prompt": [[9] * 128, [9] * 129], "max_tokens": 0, "prompt_logprobs": -1})
     assert code == 400 and err["param"] == "prompt_logprobs"
     assert "256" in err["message"] and "257" in err["message"]
     # n multiplies: 2 x 129 > 256
-    code, err = status(client, {"prompt": [9] * 129, "n": 2, "max_tokens": 0, "prompt_logprobs": -1})
+    code, err = status(fake_client, {"prompt": [9] * 129, "n": 2, "max_tokens": 0, "prompt_logprobs": -1})
     assert code == 400 and err["param"] == "prompt_logprobs" and "258" in err["message"]
 
 
-def test_whole_vocabulary_cap_with_residual_stream_16(client):
-    code, err = status(client, {"prompt": [9] * 17, "max_tokens": 0, "prompt_logprobs": -1,
+def test_whole_vocabulary_cap_with_residual_stream_16(fake_client):
+    code, err = status(fake_client, {"prompt": [9] * 17, "max_tokens": 0, "prompt_logprobs": -1,
                                 "output_residual_stream": [0, -1]})
     assert code == 400 and err["param"] == "prompt_logprobs" and "16" in err["message"] and "17" in err["message"]
-    code, body = status(client, {"prompt": [9] * 16, "max_tokens": 0, "prompt_logprobs": -1,
+    code, body = status(fake_client, {"prompt": [9] * 16, "max_tokens": 0, "prompt_logprobs": -1,
                                  "output_residual_stream": {"layers": [1], "dtype": "float16"}})
     assert code == 200
     assert orjson.loads(body)["choices"][0]["residual_stream"]["num_positions"] == 16
 
 
-def test_residual_vectors_cap(client):
+def test_residual_vectors_cap(fake_client):
     # (100 prompt + 28 generated) x 2 layers x n 2 = 512 per prompt; 128 prompts = 65,536: the cap
     body = {"prompt": [[9] * 100] * 128, "max_tokens": 28, "n": 2, "output_residual_stream": [0, 1]}
-    code, err = status(client, {**body, "prompt": [[9] * 100] * 128 + [[9]]})  # + (1 + 28) x 2 x 2
+    code, err = status(fake_client, {**body, "prompt": [[9] * 100] * 128 + [[9]]})  # + (1 + 28) x 2 x 2
     assert code == 400 and err["param"] == "output_residual_stream"
     assert "65652" in err["message"] and "65536" in err["message"]
 
 
-def test_residual_vectors_cap_at_its_limit(tiny_engine):
-    with TestClient(create_app(tiny_engine, Limits(max_residual_vectors=60))) as c:
+def test_residual_vectors_cap_at_its_limit(fake_backend):
+    with TestClient(create_app(fake_backend, Limits(max_residual_vectors=60))) as c:
         body = {"prompt": [[9] * 10, [8] * 5], "max_tokens": 0, "n": 2, "output_residual_stream": [0, -1, 1]}
         code, out = status(c, body)  # (10 + 5) x 3 layers x 2 = 90 > 60
         assert code == 400 and out["param"] == "output_residual_stream"
@@ -58,57 +58,57 @@ def test_residual_vectors_cap_at_its_limit(tiny_engine):
 
 @pytest.mark.parametrize("value", [[], [1.5], {"layers": [0], "dtype": "int8"}, {"layers": [0], "encoding": "hex"},
                                    {"layers": [0], "other": 1}, "all", [99], [-4]])
-def test_residual_stream_shape_is_checked(client, value):
-    code, err = status(client, {"prompt": "x", "output_residual_stream": value})
+def test_residual_stream_shape_is_checked(fake_client, value):
+    code, err = status(fake_client, {"prompt": "x", "output_residual_stream": value})
     assert code == 400 and err["param"] in ("output_residual_stream", "output_residual_stream.other",
                                             "output_residual_stream.dtype", "output_residual_stream.encoding")
 
 
-def test_prompt_logprob_positions_cap(client):
+def test_prompt_logprob_positions_cap(fake_client):
     # tiny's context is 256: 128 prompts x 256 tokens = 32,768 positions, exactly the cap
-    code, body = status(client, {"prompt": [[9] * 256] * 128, "max_tokens": 0, "prompt_logprobs": 0})
+    code, body = status(fake_client, {"prompt": [[9] * 256] * 128, "max_tokens": 0, "prompt_logprobs": 0})
     assert code == 200 and len(body["choices"]) == 128
-    code, err = status(client, {"prompt": [[9] * 256] * 128 + [[9]], "max_tokens": 0, "prompt_logprobs": 0})
+    code, err = status(fake_client, {"prompt": [[9] * 256] * 128 + [[9]], "max_tokens": 0, "prompt_logprobs": 0})
     assert code == 400 and err["param"] == "prompt_logprobs" and "32769" in err["message"]
-    code, err = status(client, {"prompt": [[9] * 256] * 128 + [[9]], "max_tokens": 0, "echo": True, "logprobs": 0})
+    code, err = status(fake_client, {"prompt": [[9] * 256] * 128 + [[9]], "max_tokens": 0, "echo": True, "logprobs": 0})
     assert code == 400 and err["param"] == "logprobs"
 
 
-def test_n_and_prompt_count_caps(client):
-    assert status(client, {"prompt": "x", "n": 16, "max_tokens": 1})[0] == 200
-    assert status(client, {"prompt": "x", "n": 17, "max_tokens": 1})[1]["param"] == "n"
-    assert status(client, {"prompt": [[5]] * 256, "max_tokens": 0})[0] == 200
-    assert status(client, {"prompt": [[5]] * 257, "max_tokens": 0})[1]["param"] == "prompt"
+def test_n_and_prompt_count_caps(fake_client):
+    assert status(fake_client, {"prompt": "x", "n": 16, "max_tokens": 1})[0] == 200
+    assert status(fake_client, {"prompt": "x", "n": 17, "max_tokens": 1})[1]["param"] == "n"
+    assert status(fake_client, {"prompt": [[5]] * 256, "max_tokens": 0})[0] == 200
+    assert status(fake_client, {"prompt": [[5]] * 257, "max_tokens": 0})[1]["param"] == "prompt"
 
 
-def test_context_cap_at_limit(client):
-    assert status(client, {"prompt": [5] * 250, "max_tokens": 6})[0] == 200
-    code, err = status(client, {"prompt": [5] * 251, "max_tokens": 6})
+def test_context_cap_at_limit(fake_client):
+    assert status(fake_client, {"prompt": [5] * 250, "max_tokens": 6})[0] == 200
+    code, err = status(fake_client, {"prompt": [5] * 251, "max_tokens": 6})
     assert code == 400 and err["code"] == "context_length_exceeded"
-    code, err = status(client, {"prompt": [5] * 257, "max_tokens": 0})
+    code, err = status(fake_client, {"prompt": [5] * 257, "max_tokens": 0})
     assert code == 400 and err["param"] == "prompt"
 
 
-def test_logprobs_cap(client):
-    assert status(client, {"prompt": "x", "logprobs": 100, "max_tokens": 1})[0] == 200
-    assert status(client, {"prompt": "x", "prompt_logprobs": 100, "max_tokens": 0})[0] == 200
-    assert status(client, {"prompt": "x", "prompt_logprobs": -2})[1]["message"] == (
+def test_logprobs_cap(fake_client):
+    assert status(fake_client, {"prompt": "x", "logprobs": 100, "max_tokens": 1})[0] == 200
+    assert status(fake_client, {"prompt": "x", "prompt_logprobs": 100, "max_tokens": 0})[0] == 200
+    assert status(fake_client, {"prompt": "x", "prompt_logprobs": -2})[1]["message"] == (
         "Invalid value for 'prompt_logprobs': expected a value greater than or equal to -1.")
 
 
-def test_stream_with_prompt_logprobs_is_refused_first(client):
-    code, err = status(client, {"prompt": "x", "prompt_logprobs": 1, "stream": True})
+def test_stream_with_prompt_logprobs_is_refused_first(fake_client):
+    code, err = status(fake_client, {"prompt": "x", "prompt_logprobs": 1, "stream": True})
     assert code == 400 and err["param"] == "prompt_logprobs" and "stream" in err["message"]
 
 
-def test_vocab_encoding_rules(client):
-    assert status(client, {"prompt": "x", "prompt_logprobs": 3, "vocab_encoding": "float32"})[1]["param"] == "vocab_encoding"
-    assert status(client, {"prompt": "x", "prompt_logprobs": -1, "vocab_encoding": "int8"})[1]["param"] == "vocab_encoding"
+def test_vocab_encoding_rules(fake_client):
+    assert status(fake_client, {"prompt": "x", "prompt_logprobs": 3, "vocab_encoding": "float32"})[1]["param"] == "vocab_encoding"
+    assert status(fake_client, {"prompt": "x", "prompt_logprobs": -1, "vocab_encoding": "int8"})[1]["param"] == "vocab_encoding"
 
 
-def test_caps_are_options_and_reported(tiny_engine):
+def test_caps_are_options_and_reported(fake_backend):
     limits = Limits(max_vocab_positions=4, max_n=2, max_prompts=3, max_logprobs=5, max_body_bytes=1000)
-    with TestClient(create_app(tiny_engine, limits)) as c:
+    with TestClient(create_app(fake_backend, limits)) as c:
         card = c.get("/v1/models/tiny").json()["limits"]
         assert (card["max_vocab_positions"], card["max_n"], card["max_prompts"], card["max_logprobs"],
                 card["max_body_bytes"]) == (4, 2, 3, 5, 1000)

@@ -1,5 +1,6 @@
 """Each streamed choice ends exactly once; behaviour that code written for vLLM relies on; small
-messages; the client's dense reader. On the tiny model."""
+messages; the client's dense reader. The streamed endings against the engine's own answers on the tiny
+model (`client`); the rest on the fake backend (`fake_client`)."""
 
 from __future__ import annotations
 
@@ -79,19 +80,19 @@ def test_streamed_chat_choices_end_exactly_once(client):
 
 # ---- differences from vLLM ------------------------------------------------------------------------
 
-def test_chat_prompt_logprobs_is_null_when_not_asked(client):
+def test_chat_prompt_logprobs_is_null_when_not_asked(fake_client):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    out = client.post("/v1/chat/completions", json=body).json()
+    out = fake_client.post("/v1/chat/completions", json=body).json()
     assert "prompt_logprobs" in out and out["prompt_logprobs"] is None
-    asked = client.post("/v1/chat/completions", json={**body, "prompt_logprobs": 1}).json()
+    asked = fake_client.post("/v1/chat/completions", json={**body, "prompt_logprobs": 1}).json()
     assert isinstance(asked["prompt_logprobs"], list) and asked["prompt_logprobs"][0] is None
 
 
 @pytest.mark.parametrize("seed,ok", [(-2**63, True), (-2**63 - 1, False), (-2**63 - 1025, False),
                                      (2**63 - 1, True), (2**63, False), (2**64, False)])
-def test_seed_bounds_are_checked_on_the_integer(client, seed, ok):
+def test_seed_bounds_are_checked_on_the_integer(fake_client, seed, ok):
     raw = json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 1, "seed": seed}).encode()
-    r = client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    r = fake_client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
     if ok:
         assert r.status_code == 200, r.text
         return
@@ -103,13 +104,13 @@ def test_seed_bounds_are_checked_on_the_integer(client, seed, ok):
     assert err["message"] == f"Invalid value for 'seed': expected a value {bound}."
 
 
-def test_echo_of_token_ids_spells_special_tokens(client, tiny_engine):
+def test_echo_of_token_ids_spells_special_tokens(fake_client, fake_backend):
     """vLLM echoes a token-id prompt decoded with its special tokens: the tokens spell the text."""
     body = {"model": "tiny", "prompt": [0, 0, 0, 0, 0], "echo": True, "logprobs": 1, "max_tokens": 3,
             "temperature": 0}
-    choice = client.post("/v1/completions", json=body).json()["choices"][0]
+    choice = fake_client.post("/v1/completions", json=body).json()["choices"][0]
     lp = choice["logprobs"]
-    eot = tiny_engine.tokenizer.convert_ids_to_tokens(0)
+    eot = fake_backend.tokenizer.convert_ids_to_tokens(0)
     assert choice["text"].startswith(eot * 5)
     assert lp["tokens"][:5] == [eot] * 5
     assert lp["text_offset"][:5] == [0, len(eot), 2 * len(eot), 3 * len(eot), 4 * len(eot)]
@@ -118,27 +119,27 @@ def test_echo_of_token_ids_spells_special_tokens(client, tiny_engine):
     for i, (tok, off) in enumerate(zip(lp["tokens"], lp["text_offset"])):
         end = lp["text_offset"][i + 1] if i + 1 < len(lp["tokens"]) else len(text)
         assert text[off:end] == tok
-    decoded = tiny_engine.tokenizer.decode([0] * 5)  # what vLLM echoes
+    decoded = fake_backend.tokenizer.decode([0] * 5)  # what vLLM echoes
     assert text.startswith(decoded)
 
 
-def test_echo_of_token_ids_gives_bos_no_text(client, tiny_engine):
+def test_echo_of_token_ids_gives_bos_no_text(fake_client, fake_backend):
     """The contract's echo: "no BOS text", also for a token-id prompt (where it and vLLM differ)."""
-    bos = tiny_engine.info.bos_token_id
-    eot = tiny_engine.tokenizer.convert_ids_to_tokens(0)
+    bos = fake_backend.info.bos_token_id
+    eot = fake_backend.tokenizer.convert_ids_to_tokens(0)
     body = {"model": "tiny", "prompt": [bos, 0, bos, 0], "echo": True, "logprobs": 0, "max_tokens": 0}
-    choice = client.post("/v1/completions", json=body).json()["choices"][0]
+    choice = fake_client.post("/v1/completions", json=body).json()["choices"][0]
     lp = choice["logprobs"]
     assert choice["text"] == eot * 2
-    assert lp["tokens"] == [tiny_engine.tokenizer.bos_token, eot, tiny_engine.tokenizer.bos_token, eot]
+    assert lp["tokens"] == [fake_backend.tokenizer.bos_token, eot, fake_backend.tokenizer.bos_token, eot]
     assert lp["text_offset"] == [0, 0, len(eot), len(eot)]
 
 
-def test_echo_of_text_prompt_is_the_text_as_sent(client, tiny_engine):
-    eot = tiny_engine.tokenizer.convert_ids_to_tokens(0)
+def test_echo_of_text_prompt_is_the_text_as_sent(fake_client, fake_backend):
+    eot = fake_backend.tokenizer.convert_ids_to_tokens(0)
     prompt = eot + "The sky"
     body = {"model": "tiny", "prompt": prompt, "echo": True, "logprobs": 0, "max_tokens": 2}
-    choice = client.post("/v1/completions", json=body).json()["choices"][0]
+    choice = fake_client.post("/v1/completions", json=body).json()["choices"][0]
     assert choice["text"].startswith(prompt)
     lp = choice["logprobs"]
     assert lp["tokens"][0] == eot and lp["text_offset"][:2] == [0, len(eot)]
@@ -146,22 +147,22 @@ def test_echo_of_text_prompt_is_the_text_as_sent(client, tiny_engine):
 
 # ---- small messages -------------------------------------------------------------------------------
 
-def test_unimplemented_fields_name_their_json_value(client):
-    r = client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "suffix": "tail"})
+def test_unimplemented_fields_name_their_json_value(fake_client):
+    r = fake_client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "suffix": "tail"})
     msg = r.json()["error"]["message"]
     assert r.status_code == 400 and "send null" in msg and "None" not in msg
-    r = client.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+    r = fake_client.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "x"}],
                                                   "tool_choice": "auto"})
     assert 'send "none"' in r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("path,field", [("/v1/completions", "max_tokens"), ("/v1/chat/completions", "max_tokens"),
                                         ("/v1/chat/completions", "max_completion_tokens")])
-def test_huge_max_tokens_names_the_context(client, tiny_engine, path, field):
+def test_huge_max_tokens_names_the_context(fake_client, fake_backend, path, field):
     body = {"model": "tiny", field: 1e20}
     body.update({"prompt": "x"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]})
-    err = client.post(path, json=body).json()["error"]
-    ctx = tiny_engine.info.context_length
+    err = fake_client.post(path, json=body).json()["error"]
+    ctx = fake_backend.info.context_length
     assert err["message"].startswith(f"This model's maximum context length is {ctx} tokens.")
     assert "9223372036854775807" not in err["message"] and err["param"] == field
 
@@ -179,12 +180,13 @@ def test_health_probes_while_loading_are_not_logged(caplog):
 # ---- the client's dense reader --------------------------------------------------------------------
 
 @pytest.mark.parametrize("encoding", ["float32", "float16"])
-def test_dense_reader_reads_the_width_from_the_answer(client, tiny_engine, encoding):
+def test_dense_reader_reads_the_width_from_the_answer(fake_client, fake_backend, encoding):
     body = {"model": "tiny", "prompt": "Dense rows here", "max_tokens": 0, "prompt_logprobs": -1,
             "vocab_encoding": encoding}
-    entries = client.post("/v1/completions", json=body).json()["choices"][0]["prompt_logprobs"]
-    full = client.post("/v1/completions", json={**body, "vocab_encoding": None}).json()["choices"][0]["prompt_logprobs"]
-    vocab = tiny_engine.info.vocab_size
+    entries = fake_client.post("/v1/completions", json=body).json()["choices"][0]["prompt_logprobs"]
+    full = fake_client.post("/v1/completions",
+                            json={**body, "vocab_encoding": None}).json()["choices"][0]["prompt_logprobs"]
+    vocab = fake_backend.info.vocab_size
     for enc in (None, encoding):
         dense = dense_prompt_logprobs(entries, enc)
         assert dense.shape == (len(entries), vocab) and np.isnan(dense[0]).all()

@@ -24,8 +24,8 @@ def refuse(client, body=None, status=400, raw=None, path="/v1/completions", meth
     return data["error"]
 
 
-def test_logprobs_true_has_the_seed_message(client):
-    err = refuse(client, {**BASE, "logprobs": True})
+def test_logprobs_true_has_the_seed_message(fake_client):
+    err = refuse(fake_client, {**BASE, "logprobs": True})
     assert err == {"message": "Invalid type for 'logprobs': expected a number or null.",
                    "type": "invalid_request_error", "param": "logprobs", "code": "invalid_request"}
 
@@ -34,8 +34,8 @@ def test_logprobs_true_has_the_seed_message(client):
     (-1, "Invalid value for 'logprobs': expected a value greater than or equal to 0."),
     (101, "Invalid value for 'logprobs': expected a value less than or equal to 100."),
 ])
-def test_logprobs_range_messages(client, value, message):
-    err = refuse(client, {**BASE, "logprobs": value})
+def test_logprobs_range_messages(fake_client, value, message):
+    err = refuse(fake_client, {**BASE, "logprobs": value})
     assert err["message"] == message and err["param"] == "logprobs" and err["code"] == "invalid_request"
 
 
@@ -57,102 +57,102 @@ def test_logprobs_range_messages(client, value, message):
     ("prompt_logprobs", True, "Invalid type for 'prompt_logprobs': expected a number or null."),
     ("prompt_logprobs", 101, "Invalid value for 'prompt_logprobs': expected a value less than or equal to 100."),
 ])
-def test_numeric_and_type_templates(client, field, value, message):
-    err = refuse(client, {**BASE, field: value})
+def test_numeric_and_type_templates(fake_client, field, value, message):
+    err = refuse(fake_client, {**BASE, field: value})
     assert err["message"] == message
     assert err["param"] == field
 
 
-def test_unknown_field_is_refused_by_name(client):
-    err = refuse(client, {**BASE, "temprature": 0})
+def test_unknown_field_is_refused_by_name(fake_client):
+    err = refuse(fake_client, {**BASE, "temprature": 0})
     assert err["message"] == "Unrecognized request argument supplied: temprature"
     assert err["param"] == "temprature"
 
 
-def test_unimplemented_openai_field(client):
-    err = refuse(client, {**BASE, "presence_penalty": 0.5})
+def test_unimplemented_openai_field(fake_client):
+    err = refuse(fake_client, {**BASE, "presence_penalty": 0.5})
     assert err["param"] == "presence_penalty" and "does not implement" in err["message"]
-    ok = client.post("/v1/completions", json={**BASE, "presence_penalty": 0, "best_of": 1, "logit_bias": {}})
+    ok = fake_client.post("/v1/completions", json={**BASE, "presence_penalty": 0, "best_of": 1, "logit_bias": {}})
     assert ok.status_code == 200
 
 
-def test_unknown_model_is_404(client):
-    err = refuse(client, {**BASE, "model": "gpt-5"}, status=404)
+def test_unknown_model_is_404(fake_client):
+    err = refuse(fake_client, {**BASE, "model": "gpt-5"}, status=404)
     assert err["code"] == "model_not_found" and err["param"] == "model"
     assert "gpt-5" in err["message"]
 
 
-def test_full_name_and_alias_both_work(client):
+def test_full_name_and_alias_both_work(fake_client):
     for name in ("tiny", "test/tiny-llama"):
-        r = client.post("/v1/completions", json={**BASE, "model": name, "max_tokens": 1})
+        r = fake_client.post("/v1/completions", json={**BASE, "model": name, "max_tokens": 1})
         assert r.status_code == 200
         assert r.json()["model"] == "test/tiny-llama"
 
 
 @pytest.mark.parametrize("raw", [b"{not json", b"", b"[1, 2]", b'"text"', b"\xff\xfe"])
-def test_malformed_body(client, raw):
-    err = refuse(client, raw=raw)
+def test_malformed_body(fake_client, raw):
+    err = refuse(fake_client, raw=raw)
     assert err["code"] == "invalid_request" and err["type"] == "invalid_request_error"
 
 
 @pytest.mark.parametrize("prompt", [None, 5, [], [1, "a"], [[1], []], [True], {"a": 1}])
-def test_bad_prompts(client, prompt):
+def test_bad_prompts(fake_client, prompt):
     body = {**BASE, "prompt": prompt}
     if prompt is None:
         del body["prompt"]
-    err = refuse(client, body)
+    err = refuse(fake_client, body)
     assert err["param"] == "prompt"
 
 
-def test_token_ids_outside_vocabulary(client, tiny_engine):
-    for bad in (-1, tiny_engine.info.vocab_size):
-        err = refuse(client, {**BASE, "prompt": [1, bad]})
+def test_token_ids_outside_vocabulary(fake_client, fake_backend):
+    for bad in (-1, fake_backend.info.vocab_size):
+        err = refuse(fake_client, {**BASE, "prompt": [1, bad]})
         assert err["param"] == "prompt" and str(bad) in err["message"]
 
 
-def test_empty_text_prompt_without_bos(client):
-    err = refuse(client, {**BASE, "prompt": ""})
+def test_empty_text_prompt_without_bos(fake_client):
+    err = refuse(fake_client, {**BASE, "prompt": ""})
     assert err["param"] == "prompt"
 
 
-def test_missing_model(client):
-    err = refuse(client, {"prompt": "x"})
+def test_missing_model(fake_client):
+    err = refuse(fake_client, {"prompt": "x"})
     assert err["message"] == "Missing required parameter: 'model'." and err["param"] == "model"
 
 
-def test_stop_rules(client):
-    assert refuse(client, {**BASE, "stop": ["a", "b", "c", "d", "e"]})["param"] == "stop"
-    assert refuse(client, {**BASE, "stop": [1]})["param"] == "stop"
+def test_stop_rules(fake_client):
+    assert refuse(fake_client, {**BASE, "stop": ["a", "b", "c", "d", "e"]})["param"] == "stop"
+    assert refuse(fake_client, {**BASE, "stop": [1]})["param"] == "stop"
 
 
-def test_too_many_prompts(client):
-    err = refuse(client, {**BASE, "prompt": ["a"] * 257})
+def test_too_many_prompts(fake_client):
+    err = refuse(fake_client, {**BASE, "prompt": ["a"] * 257})
     assert err["param"] == "prompt" and "256" in err["message"] and "257" in err["message"]
 
 
-def test_echo_logprob_positions_cap(client):
+def test_echo_logprob_positions_cap(fake_client):
     from logprobe.config import Limits
 
     cap = Limits().max_prompt_logprob_positions
     # 200 prompts of 200 tokens with echo + logprobs: 40,000 positions > 32,768.
     body = {**BASE, "prompt": [[7] * 200] * 200, "echo": True, "logprobs": 1, "max_tokens": 0}
-    err = refuse(client, body)
+    err = refuse(fake_client, body)
     assert err["param"] == "logprobs" and str(cap) in err["message"] and "40000" in err["message"]
 
 
-def test_body_size_cap(client):
+def test_body_size_cap(fake_client):
     big = b'{"model": "tiny", "prompt": "' + b"a" * (16 * 1024 * 1024) + b'"}'
-    err = refuse(client, raw=big, status=413)
+    err = refuse(fake_client, raw=big, status=413)
     assert err["code"] == "request_too_large"
 
 
-def test_not_found_and_method_not_allowed(client):
-    assert refuse(client, {}, status=404, path="/v2/nothing")["code"] == "not_found"
-    assert refuse(client, None, status=405, path="/v1/completions", method="get")["code"] == "method_not_allowed"
+def test_not_found_and_method_not_allowed(fake_client):
+    assert refuse(fake_client, {}, status=404, path="/v2/nothing")["code"] == "not_found"
+    assert refuse(fake_client, None, status=405, path="/v1/completions", method="get")["code"] == "method_not_allowed"
 
 
-def test_success_carries_a_request_id(client):
-    r = client.post("/v1/completions", json={**BASE, "max_tokens": 1})
+def test_success_carries_a_request_id(fake_client):
+    r = fake_client.post("/v1/completions", json={**BASE, "max_tokens": 1})
     assert re.fullmatch(r"req_[0-9a-f]{32}", r.headers["x-request-id"])
     assert re.fullmatch(r"cmpl-[0-9a-f]{16}", r.json()["id"])
 

@@ -171,8 +171,8 @@ POST_PATHS = [p for p, m in OPERATIONS if m == "POST"]
 GET_PATHS = [p for p, m in OPERATIONS if m == "GET"]
 
 
-def test_schema_operations_are_the_served_ones(client):
-    assert schema_operations(client.app) == OPERATIONS
+def test_schema_operations_are_the_served_ones(fake_client):
+    assert schema_operations(fake_client.app) == OPERATIONS
     assert set(POST_PATHS) == set(SPECS), "a POST endpoint without a fuzz spec (add it to SPECS)"
     assert {"/v1/models", "/v1/models/{model}", "/health", "/tokenizer_info"} <= set(GET_PATHS)
 
@@ -390,9 +390,8 @@ def check_param(path: str, body: dict, r, err: dict) -> None:
         f"param {param!r} names no field of the request (sent: {sorted(body)}): {err}")
 
 
-@pytest.mark.parametrize("path", POST_PATHS)
-def test_fuzz_post_bodies(client, path):
-    @settings(max_examples=EXAMPLES.get(path, 100), **FUZZ)
+def fuzz_post_bodies(client, path: str, examples: int) -> None:
+    @settings(max_examples=examples, **FUZZ)
     @given(body=post_bodies(path))
     def run(body):
         r = call(client, "POST", path, body=body)
@@ -412,21 +411,33 @@ def test_fuzz_post_bodies(client, path):
     run()
 
 
+@pytest.mark.parametrize("path", POST_PATHS)
+def test_fuzz_post_bodies(fake_client, path):
+    fuzz_post_bodies(fake_client, path, EXAMPLES.get(path, 100))
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/score"])
+def test_fuzz_post_bodies_on_the_engine(client, path):
+    """A tenth of the examples through the real engine: the accepted bodies of every shape (sampling
+    settings, stops, residual layers, whole-vocabulary prompts) run its steps without a 500."""
+    fuzz_post_bodies(client, path, EXAMPLES[path] // 10)
+
+
 path_pieces = st.text(max_size=20) | st.sampled_from(list(MODEL_NAMES) + ["", "tiny/", "test/tiny-llama/",
                                                                            "../v1/models", "tiny?x=1", "\x00"])
 queries = st.lists(st.tuples(st.text(max_size=8), st.text(max_size=8)), max_size=4)
 
 
 @pytest.mark.parametrize("path", GET_PATHS)
-def test_fuzz_get(client, path):
+def test_fuzz_get(fake_client, path):
     @settings(max_examples=150, **FUZZ)
     @given(piece=path_pieces, query=queries)
     def run(piece, query):
-        assume(piece not in (".", ".."))  # dot segments are resolved by the client
+        assume(piece not in (".", ".."))  # dot segments are resolved by the fake_client
         assume("%" not in piece)  # starlette's TestClient percent-decodes the path twice
         assume("\n" not in piece)  # starlette's route regex: `.` stops at a newline, `$` matches before one
         url = path.replace("{model}", quote(piece, safe=""))
-        r = call(client, "GET", url, params=query)
+        r = call(fake_client, "GET", url, params=query)
         err = check_answer(r)
         if "{model}" not in path:
             assert r.status_code == 200, r.text  # a query string is ignored
@@ -443,8 +454,8 @@ UNDECLARED = [(path, method) for path in sorted({p for p, _ in OPERATIONS})
 
 
 @pytest.mark.parametrize("path,method", UNDECLARED)
-def test_undeclared_methods_are_405_envelopes(client, path, method):
-    refuse(client, path.replace("{model}", "tiny"), raw=b"{}", headers=JSON, method=method, status=405,
+def test_undeclared_methods_are_405_envelopes(fake_client, path, method):
+    refuse(fake_client, path.replace("{model}", "tiny"), raw=b"{}", headers=JSON, method=method, status=405,
            param=None, code="method_not_allowed")
 
 
@@ -507,9 +518,9 @@ def test_wrong_type_table_covers_every_field():
 
 
 @pytest.mark.parametrize("path,field,value", [(p, f, v) for p, t in WRONG_TYPES.items() for f, v in t.items()])
-def test_wrong_type_names_the_field(client, path, field, value):
+def test_wrong_type_names_the_field(fake_client, path, field, value):
     body = {**BASES[path], **NEEDS.get(field, {}), field: value}
-    refuse(client, path, body, param=field, code="invalid_request")
+    refuse(fake_client, path, body, param=field, code="invalid_request")
 
 
 BOOL_FOR_INT = [
@@ -522,11 +533,11 @@ BOOL_FOR_INT = [
 
 @pytest.mark.parametrize("path,field", BOOL_FOR_INT)
 @pytest.mark.parametrize("value", [True, False])
-def test_booleans_are_not_integers(client, path, field, value):
+def test_booleans_are_not_integers(fake_client, path, field, value):
     body = {**BASES[path], field: value}
     if field == "top_logprobs" and path.endswith("chat/completions"):
         body["logprobs"] = True
-    err = refuse(client, path, body, param=field)
+    err = refuse(fake_client, path, body, param=field)
     assert err["message"] == f"Invalid type for '{field}': expected a number or null."
 
 
@@ -556,9 +567,9 @@ def test_booleans_are_not_integers(client, path, field, value):
     ("/v1/score", "top_logprobs", 10**9),
     ("/v1/score", "top_logprobs", -1),
 ])
-def test_out_of_range_numbers_name_the_field(client, path, field, value):
+def test_out_of_range_numbers_name_the_field(fake_client, path, field, value):
     body = {**BASES[path], field: value}
-    err = refuse(client, path, body, param=field, code="invalid_request")
+    err = refuse(fake_client, path, body, param=field, code="invalid_request")
     assert f"'{field}'" in err["message"]
 
 
@@ -570,16 +581,16 @@ def test_out_of_range_numbers_name_the_field(client, path, field, value):
     ("/v1/chat/completions", "max_tokens", 10**30),
     ("/v1/chat/completions", "max_completion_tokens", 2**63),
 ])
-def test_huge_max_tokens_is_a_context_error(client, path, field, value):
+def test_huge_max_tokens_is_a_context_error(fake_client, path, field, value):
     """The real bound of max_tokens is the context, whatever the integer's size: the error says so."""
-    err = refuse(client, path, {**BASES[path], field: value}, param=field, code="context_length_exceeded")
+    err = refuse(fake_client, path, {**BASES[path], field: value}, param=field, code="context_length_exceeded")
     assert err["message"].startswith("This model's maximum context length is")
     as_parsed = int(orjson.loads(json.dumps(value)))  # integers past 64 bits reach the server as floats
     assert str(as_parsed) in err["message"]
 
 
-def test_integral_floats_are_integers(client):
-    r = call(client, "POST", "/v1/completions", body={**CMPL, "max_tokens": 1.0, "n": 2.0, "logprobs": 0.0})
+def test_integral_floats_are_integers(fake_client):
+    r = call(fake_client, "POST", "/v1/completions", body={**CMPL, "max_tokens": 1.0, "n": 2.0, "logprobs": 0.0})
     check_answer(r)
     assert r.status_code == 200 and len(r.json()["choices"]) == 2
 
@@ -587,11 +598,11 @@ def test_integral_floats_are_integers(client):
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/score"])
 @pytest.mark.parametrize("literal", [b"NaN", b"Infinity", b"-Infinity", b"nan", b"inf", b"1e400", b"-1e999",
                                      b"0x10", b"01", b"+1", b".5", b"1.", b"undefined"])
-def test_non_json_number_literals(client, path, literal):
+def test_non_json_number_literals(fake_client, path, literal):
     field = b"top_logprobs" if path == "/v1/score" else b"temperature"
     base = orjson.dumps(BASES[path])
     raw = base[:-1] + b',"' + field + b'":' + literal + b"}"
-    err = refuse(client, path, raw=raw, headers=JSON, param=None, code="invalid_request")
+    err = refuse(fake_client, path, raw=raw, headers=JSON, param=None, code="invalid_request")
     assert "not valid JSON" in err["message"]
 
 
@@ -602,29 +613,29 @@ def _nested(depth: int, open_: bytes = b"[", close: bytes = b"]", leaf: bytes = 
 @pytest.mark.parametrize("path,field", [("/v1/completions", b"prompt"), ("/v1/chat/completions", b"messages"),
                                         ("/v1/score", b"input"), ("/detokenize", b"tokens")])
 @pytest.mark.parametrize("depth", [64, 65, 200, 5000, 100_000])
-def test_deep_nesting_is_refused(client, path, field, depth):
+def test_deep_nesting_is_refused(fake_client, path, field, depth):
     """The top object is level 1: a field holding `depth` nested arrays nests depth + 1 levels."""
     raw = b'{"model":"tiny","' + field + b'":' + _nested(depth, leaf=b"1") + b"}"
-    err = refuse(client, path, raw=raw, headers=JSON, code="invalid_request")
+    err = refuse(fake_client, path, raw=raw, headers=JSON, code="invalid_request")
     assert err["param"] is None and "max_json_depth" in err["message"], err
 
 
 @pytest.mark.parametrize("path,field", [("/v1/completions", b"prompt"), ("/v1/chat/completions", b"messages"),
                                         ("/v1/score", b"input")])
-def test_nesting_at_the_cap_reaches_field_checks(client, path, field):
+def test_nesting_at_the_cap_reaches_field_checks(fake_client, path, field):
     raw = b'{"model":"tiny","' + field + b'":' + _nested(63, leaf=b"1") + b"}"  # 64 levels: allowed
-    refuse(client, path, raw=raw, headers=JSON, param=field.decode())
+    refuse(fake_client, path, raw=raw, headers=JSON, param=field.decode())
 
 
 @pytest.mark.parametrize("depth", [65, 3000])
-def test_deep_objects_in_a_free_field(client, depth):
+def test_deep_objects_in_a_free_field(fake_client, depth):
     raw = orjson.dumps(CMPL)[:-1] + b',"user":' + _nested(depth, b'{"a":', b"}", b"1") + b"}"
-    err = refuse(client, "/v1/completions", raw=raw, headers=JSON, param=None)
+    err = refuse(fake_client, "/v1/completions", raw=raw, headers=JSON, param=None)
     assert "max_json_depth" in err["message"]
 
 
-def test_brackets_inside_strings_are_not_nesting(client):
-    r = call(client, "POST", "/v1/completions", body={**CMPL, "prompt": "[{" * 60, "user": "[" * 5000})
+def test_brackets_inside_strings_are_not_nesting(fake_client):
+    r = call(fake_client, "POST", "/v1/completions", body={**CMPL, "prompt": "[{" * 60, "user": "[" * 5000})
     check_answer(r)
     assert r.status_code == 200, r.text
 
@@ -636,11 +647,11 @@ TEXT_FIELD = {"/v1/completions": "prompt", "/v1/chat/completions": "user", "/v1/
 @pytest.mark.parametrize("path", sorted(TEXT_FIELD))
 @pytest.mark.parametrize("bad", [b"\xff\xfe", b"\xc0\xaf", b"\x80", b"\xed\xa0\x80", b"\xf4\x90\x80\x80",
                                  b"\xe2\x82"])
-def test_invalid_utf8_in_a_string_is_refused(client, path, bad):
+def test_invalid_utf8_in_a_string_is_refused(fake_client, path, bad):
     field = TEXT_FIELD[path]
     rest = orjson.dumps({k: v for k, v in BASES[path].items() if k != field})
     raw = rest[:-1] + b',"' + field.encode() + b'":"a' + bad + b'"}'
-    refuse(client, path, raw=raw, headers=JSON, param=None, code="invalid_request")
+    refuse(fake_client, path, raw=raw, headers=JSON, param=None, code="invalid_request")
 
 
 @pytest.mark.parametrize("raw", [
@@ -659,12 +670,12 @@ def test_invalid_utf8_in_a_string_is_refused(client, path, bad):
     b" ",
     b"\n\t",
 ])
-def test_malformed_json_bytes(client, raw):
-    refuse(client, "/v1/completions", raw=raw, headers=JSON, param=None, code="invalid_request")
+def test_malformed_json_bytes(fake_client, raw):
+    refuse(fake_client, "/v1/completions", raw=raw, headers=JSON, param=None, code="invalid_request")
 
 
-def test_escaped_surrogate_pair_is_fine(client):
-    r = call(client, "POST", "/v1/completions", raw=b'{"model":"tiny","prompt":"\\ud83d\\ude00","max_tokens":1}',
+def test_escaped_surrogate_pair_is_fine(fake_client):
+    r = call(fake_client, "POST", "/v1/completions", raw=b'{"model":"tiny","prompt":"\\ud83d\\ude00","max_tokens":1}',
              headers=JSON)
     check_answer(r)
     assert r.status_code == 200
@@ -672,40 +683,41 @@ def test_escaped_surrogate_pair_is_fine(client):
 
 @pytest.mark.parametrize("path", POST_PATHS)
 @pytest.mark.parametrize("raw", [b"", b"null", b"[]", b'[{"model":"tiny"}]', b"1", b'"{}"', b"true"])
-def test_bodies_that_are_not_objects(client, path, raw):
-    refuse(client, path, raw=raw, headers=JSON, param=None, code="invalid_request")
+def test_bodies_that_are_not_objects(fake_client, path, raw):
+    refuse(fake_client, path, raw=raw, headers=JSON, param=None, code="invalid_request")
 
 
 @pytest.mark.parametrize("path", POST_PATHS)
-def test_non_json_content_types(client, path):
+def test_non_json_content_types(fake_client, path):
     for raw, ctype in [(b"model=tiny&prompt=a", "application/x-www-form-urlencoded"),
                        (b"--b\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\ntiny\r\n--b--\r\n",
                         "multipart/form-data; boundary=b"),
                        (b"<xml/>", "application/xml")]:
-        r = call(client, "POST", path, raw=raw, headers={"content-type": ctype})
+        r = call(fake_client, "POST", path, raw=raw, headers={"content-type": ctype})
         err = check_answer(r, allowed={400, 415})
         assert err["param"] is None, err
 
 
 @pytest.mark.parametrize("path", POST_PATHS)
 @pytest.mark.parametrize("ctype", ["text/plain", None, "application/octet-stream"])
-def test_json_under_another_content_type(client, path, ctype):
+def test_json_under_another_content_type(fake_client, path, ctype):
     """The contract is silent: accepting the JSON or refusing the type (415) are both fine, 500 is not."""
     headers = {"content-type": ctype} if ctype else {}
-    r = call(client, "POST", path, raw=orjson.dumps(BASES[path]), headers=headers)
+    r = call(fake_client, "POST", path, raw=orjson.dumps(BASES[path]), headers=headers)
     err = check_answer(r, allowed={200, 415})
     assert err is None or err["param"] is None
 
 
-def test_duplicate_keys(client):
+def test_duplicate_keys(fake_client):
     # Last one wins (orjson, Python's json) or the body is refused: either way the bad value is caught.
-    err = refuse(client, "/v1/completions", raw=b'{"model":"tiny","prompt":"a","max_tokens":1,"max_tokens":-1}',
+    err = refuse(fake_client, "/v1/completions", raw=b'{"model":"tiny","prompt":"a","max_tokens":1,"max_tokens":-1}',
                  headers=JSON)
     assert err["param"] == "max_tokens"
-    err = refuse(client, "/v1/completions", raw=b'{"model":"tiny","prompt":"a","model":"nope"}', headers=JSON,
+    err = refuse(fake_client, "/v1/completions", raw=b'{"model":"tiny","prompt":"a","model":"nope"}', headers=JSON,
                  status=404)
     assert err["param"] == "model"
-    r = call(client, "POST", "/v1/completions", raw=b'{"model":"tiny","prompt":"a","max_tokens":-1,"max_tokens":1}',
+    r = call(fake_client, "POST", "/v1/completions",
+             raw=b'{"model":"tiny","prompt":"a","max_tokens":-1,"max_tokens":1}',
              headers=JSON)
     err = check_answer(r)
     assert err is None or err["param"] == "max_tokens"
@@ -729,14 +741,14 @@ def test_duplicate_keys(client):
     ("/v1/score", {**SCORE, "context": ["x", 1]}, "context"),
     ("/tokenize", {"prompt": None}, "prompt"),
 ])
-def test_empty_inputs(client, path, body, param):
-    refuse(client, path, body, param=param)
+def test_empty_inputs(fake_client, path, body, param):
+    refuse(fake_client, path, body, param=param)
 
 
-def test_empty_but_valid_tokenizer_inputs(client):
-    r = call(client, "POST", "/tokenize", body={"prompt": ""})
+def test_empty_but_valid_tokenizer_inputs(fake_client):
+    r = call(fake_client, "POST", "/tokenize", body={"prompt": ""})
     assert check_answer(r) is None and r.json()["tokens"] == []
-    r = call(client, "POST", "/detokenize", body={"tokens": []})
+    r = call(fake_client, "POST", "/detokenize", body={"tokens": []})
     assert check_answer(r) is None and r.json()["prompt"] == ""
 
 
@@ -766,38 +778,38 @@ def test_empty_but_valid_tokenizer_inputs(client):
     ("/detokenize", "tokens", [True]),
     ("/detokenize", "tokens", [[1]]),
 ])
-def test_token_ids_outside_the_vocabulary(client, path, field, value):
-    refuse(client, path, {**BASES[path], field: value}, param=field, code="invalid_request")
+def test_token_ids_outside_the_vocabulary(fake_client, path, field, value):
+    refuse(fake_client, path, {**BASES[path], field: value}, param=field, code="invalid_request")
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/score"])
-def test_null_model_is_a_missing_model(client, path):
-    err = refuse(client, path, {**BASES[path], "model": None}, param="model")
+def test_null_model_is_a_missing_model(fake_client, path):
+    err = refuse(fake_client, path, {**BASES[path], "model": None}, param="model")
     assert err["message"] == "Missing required parameter: 'model'."
 
 
 @pytest.mark.parametrize("path", POST_PATHS)
 @pytest.mark.parametrize("name", ["gpt-4o", "", " tiny", "tiny ", "tiny\x00", "test/tiny-llama/", "../tiny",
                                   "🙂", "a" * 5000])
-def test_unknown_model_is_404_everywhere(client, path, name):
-    err = refuse(client, path, {**BASES[path], "model": name}, status=404, param="model", code="model_not_found")
+def test_unknown_model_is_404_everywhere(fake_client, path, name):
+    err = refuse(fake_client, path, {**BASES[path], "model": name}, status=404, param="model", code="model_not_found")
     assert err["type"] == "invalid_request_error"
 
 
 @pytest.mark.parametrize("path", POST_PATHS)
 @pytest.mark.parametrize("name", ["temprature", "", "Model", "model ", "\x00", "a.b", "__proto__", "🙂",
                                   "messages[0]", "x" * 300])
-def test_unknown_field_is_named(client, path, name):
+def test_unknown_field_is_named(fake_client, path, name):
     if name in SPECS[path].known or name in SPECS[path].unimplemented:
         pytest.skip("a field of this endpoint")
-    err = refuse(client, path, {**BASES[path], name: 1}, param=name, code="invalid_request")
+    err = refuse(fake_client, path, {**BASES[path], name: 1}, param=name, code="invalid_request")
     assert err["message"] == f"Unrecognized request argument supplied: {name}"
 
 
 @pytest.mark.parametrize("path,name", [(p, n) for p in ("/v1/completions", "/v1/chat/completions")
                                        for n in sorted(SPECS[p].unimplemented)])
-def test_unimplemented_fields_at_a_hostile_value(client, path, name):
-    err = refuse(client, path, {**BASES[path], name: {"nested": [1e308, None]}}, param=name)
+def test_unimplemented_fields_at_a_hostile_value(fake_client, path, name):
+    err = refuse(fake_client, path, {**BASES[path], name: {"nested": [1e308, None]}}, param=name)
     assert "does not implement" in err["message"]
 
 
@@ -823,8 +835,8 @@ def test_unimplemented_fields_at_a_hostile_value(client, path, name):
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": None}]}, "messages"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "a"}, "b"]}, "messages"),
 ])
-def test_errors_inside_object_fields_name_the_field(client, path, body, param):
-    err = refuse(client, path, body)
+def test_errors_inside_object_fields_name_the_field(fake_client, path, body, param):
+    err = refuse(fake_client, path, body)
     assert err["param"] is not None and param_root(err["param"]) == param, (
         f"param {err['param']!r} does not point into {param!r}: {err}")
 
@@ -841,8 +853,8 @@ def test_errors_inside_object_fields_name_the_field(client, path, body, param):
     ("/v1/completions", {**CMPL, "stop": ""}, "stop"),
     ("/v1/completions", {**CMPL, "stop": [None]}, "stop"),
 ])
-def test_field_combinations(client, path, body, param):
-    refuse(client, path, body, param=param, code="invalid_request")
+def test_field_combinations(fake_client, path, body, param):
+    refuse(fake_client, path, body, param=param, code="invalid_request")
 
 
 # Sampling settings at the edge of their ranges: accepted values must sample (or be refused with the
@@ -882,17 +894,17 @@ def test_a_hostile_request_does_not_fail_its_neighbours(client, field, value):
 # Context length: the param is the field the client sent that is too long.
 
 
-def test_chat_context_error_names_the_length_field_that_was_sent(client):
-    err = refuse(client, "/v1/chat/completions", {**CHAT, "max_completion_tokens": 1000},
+def test_chat_context_error_names_the_length_field_that_was_sent(fake_client):
+    err = refuse(fake_client, "/v1/chat/completions", {**CHAT, "max_completion_tokens": 1000},
                  code="context_length_exceeded")
     assert err["param"] == "max_completion_tokens"
-    err = refuse(client, "/v1/chat/completions", {**CHAT, "max_tokens": 1000}, code="context_length_exceeded")
-    assert err["param"] == "max_tokens", f"the client sent max_tokens, not {err['param']!r}: {err}"
+    err = refuse(fake_client, "/v1/chat/completions", {**CHAT, "max_tokens": 1000}, code="context_length_exceeded")
+    assert err["param"] == "max_tokens", f"the fake_client sent max_tokens, not {err['param']!r}: {err}"
 
 
-def test_score_position_cap_names_a_score_field(client):
+def test_score_position_cap_names_a_score_field(fake_client):
     # 200 inputs of 200 tokens: 40,200 scored positions (with BOS) > 32,768.
-    err = refuse(client, "/v1/score", {"model": "tiny", "input": [[7] * 200] * 200}, code="invalid_request")
+    err = refuse(fake_client, "/v1/score", {"model": "tiny", "input": [[7] * 200] * 200}, code="invalid_request")
     assert "32768" in err["message"]
     assert err["param"] in SPECS["/v1/score"].known, (
         f"param {err['param']!r} is not a field of /v1/score (expected 'input'): {err}")
@@ -904,8 +916,8 @@ def test_score_position_cap_names_a_score_field(client):
     ("/v1/score", {**SCORE, "input": [[5]] * 1_000_000}, "input"),
     ("/v1/completions", {**CMPL, "stop": ["x" * MIB] * 5}, "stop"),
 ])
-def test_wide_bodies(client, path, body, param):
-    refuse(client, path, body, param=param, limit=BIG_TIME_LIMIT)
+def test_wide_bodies(fake_client, path, body, param):
+    refuse(fake_client, path, body, param=param, limit=BIG_TIME_LIMIT)
 
 
 def test_long_stop_strings_do_not_slow_generation(client):
@@ -918,29 +930,29 @@ def test_long_stop_strings_do_not_slow_generation(client):
 
 
 @pytest.mark.parametrize("path", POST_PATHS)
-def test_17_mib_body_is_413(client, path):
+def test_17_mib_body_is_413(fake_client, path):
     raw = b'{"model":"tiny","user":"' + b"a" * (17 * MIB) + b'"}'
-    refuse(client, path, raw=raw, headers=JSON, status=413, param=None, code="request_too_large")
+    refuse(fake_client, path, raw=raw, headers=JSON, status=413, param=None, code="request_too_large")
 
 
-def test_17_mib_chunked_body_without_content_length_is_413(client):
+def test_17_mib_chunked_body_without_content_length_is_413(fake_client):
     def chunks():
         yield b'{"model":"tiny","prompt":"'
         for _ in range(17):
             yield b"a" * MIB
         yield b'"}'
 
-    r = call(client, "POST", "/v1/completions", raw=chunks(), headers=JSON)
+    r = call(fake_client, "POST", "/v1/completions", raw=chunks(), headers=JSON)
     assert "content-length" not in {k.lower() for k in r.request.headers}
     err = check_answer(r)
     assert r.status_code == 413 and err["code"] == "request_too_large" and err["param"] is None
 
 
-def test_body_just_under_the_cap_is_read(client):
+def test_body_just_under_the_cap_is_read(fake_client):
     raw = b'{"model":"tiny","prompt":"a","max_tokens":1,"user":"'
     raw += b"u" * (LIMITS.max_body_bytes - len(raw) - 2) + b'"}'
     assert len(raw) == LIMITS.max_body_bytes
-    r = call(client, "POST", "/v1/completions", raw=raw, headers=JSON)
+    r = call(fake_client, "POST", "/v1/completions", raw=raw, headers=JSON)
     check_answer(r)
     assert r.status_code == 200
 
@@ -960,15 +972,15 @@ BIG_TEXT = [
 
 @pytest.mark.parametrize("path,make,status,param", BIG_TEXT,
                          ids=["completions", "completions-one-word", "chat", "score", "tokenize"])
-def test_ten_megabyte_text(client, path, make, status, param):
+def test_ten_megabyte_text(fake_client, path, make, status, param):
     """The big request answers within BIG_TIME_LIMIT, and while it is being worked on the server still
     answers others at once (the tokenizer runs off the event loop)."""
     box = {}
-    worker = threading.Thread(target=lambda: box.update(r=call(client, "POST", path, body=make(),
+    worker = threading.Thread(target=lambda: box.update(r=call(fake_client, "POST", path, body=make(),
                                                                  limit=BIG_TIME_LIMIT)), daemon=True)
     worker.start()
     time.sleep(1.5)  # the body is sent and being tokenized
-    probe = call(client, "GET", "/health", limit=REQUEST_TIME_LIMIT)
+    probe = call(fake_client, "GET", "/health", limit=REQUEST_TIME_LIMIT)
     worker.join(BIG_TIME_LIMIT + 5)
     assert "r" in box, "the big request failed or hung"
     r = box["r"]

@@ -1,5 +1,6 @@
 """API keys, the hold over HTTP, header and JSON-depth caps, the request time-out, /health states,
-/metrics and the access log, on the tiny model."""
+/metrics and the access log: on the fake backend (`fake_client`), except the time-out and a closed event
+loop, which are the engine's (`client`, `tiny_engine`)."""
 
 from __future__ import annotations
 
@@ -36,8 +37,8 @@ def make_client(engine, limits=None, admission=None, keys=()):
 
 
 @pytest.fixture(scope="module")
-def keyed(tiny_engine):
-    with make_client(tiny_engine, keys=KEYS) as c:
+def keyed(fake_backend):
+    with make_client(fake_backend, keys=KEYS) as c:
         yield c
 
 
@@ -98,8 +99,8 @@ def test_key_comparison_is_constant_time(keyed, monkeypatch):
         assert calls == [(32, 32)] * len(KEYS)
 
 
-def test_keys_never_reach_the_log(tiny_engine, caplog):
-    with make_client(tiny_engine, keys=KEYS) as c, caplog.at_level(logging.DEBUG):
+def test_keys_never_reach_the_log(fake_backend, caplog):
+    with make_client(fake_backend, keys=KEYS) as c, caplog.at_level(logging.DEBUG):
         c.post("/v1/completions", json=BODY, headers=auth(KEYS[1]))
         c.post("/v1/completions", json=BODY, headers=auth("sk-wrong-secret"))
     text = "\n".join(r.getMessage() for r in caplog.records)
@@ -108,8 +109,8 @@ def test_keys_never_reach_the_log(tiny_engine, caplog):
         assert secret not in text
 
 
-def test_access_log_line(tiny_engine, caplog):
-    with make_client(tiny_engine) as c, caplog.at_level(logging.INFO, logger="logprobe.access"):
+def test_access_log_line(fake_backend, caplog):
+    with make_client(fake_backend) as c, caplog.at_level(logging.INFO, logger="logprobe.access"):
         r = c.post("/v1/completions", json=BODY)
     lines = [json.loads(rec.getMessage()) for rec in caplog.records if rec.name == "logprobe.access"]
     line = next(x for x in lines if x["path"] == "/v1/completions")
@@ -118,29 +119,29 @@ def test_access_log_line(tiny_engine, caplog):
     assert line["held_tokens"] == 7 and line["queue_ms"] >= 0 and line["ms"] > 0 and line["key"] == "anonymous"
 
 
-def test_header_cap_is_431(client):
-    r = client.get("/v1/models", headers={"x-filler": "a" * 9000})
+def test_header_cap_is_431(fake_client):
+    r = fake_client.get("/v1/models", headers={"x-filler": "a" * 9000})
     err = envelope(r, 431, "request_too_large")
     assert "max_header_bytes" in err["message"]
 
 
 @pytest.mark.parametrize("depth", [65, 200, 5000])
-def test_json_depth_cap(client, depth):
+def test_json_depth_cap(fake_client, depth):
     raw = b'{"model": "tiny", "prompt": "a", "user": ' + b"[" * depth + b"]" * depth + b"}"
-    err = envelope(client.post("/v1/completions", content=raw, headers={"content-type": "application/json"}),
+    err = envelope(fake_client.post("/v1/completions", content=raw, headers={"content-type": "application/json"}),
                    400, "invalid_request")
     assert "max_json_depth" in err["message"]
 
 
-def test_json_depth_within_cap_and_many_lists_pass(client):
+def test_json_depth_within_cap_and_many_lists_pass(fake_client):
     # 256 prompts of token ids: 257 brackets, but only 2 levels deep
-    r = client.post("/v1/completions", json={"model": "tiny", "prompt": [[5, 6]] * 256, "max_tokens": 0})
+    r = fake_client.post("/v1/completions", json={"model": "tiny", "prompt": [[5, 6]] * 256, "max_tokens": 0})
     assert r.status_code == 200 and len(r.json()["choices"]) == 256
 
 
-def test_hold_headers_budget_and_429(tiny_engine):
+def test_hold_headers_budget_and_429(fake_backend):
     adm = AdmissionSettings(tokens_per_minute=40, queue_timeout=5)
-    with make_client(tiny_engine, admission=adm) as c:
+    with make_client(fake_backend, admission=adm) as c:
         r = c.post("/v1/completions", json=BODY)  # holds 3 + 4 = 7
         assert r.status_code == 200
         assert r.headers["x-ratelimit-limit-tokens"] == "40"
@@ -159,8 +160,8 @@ def test_hold_headers_budget_and_429(tiny_engine):
         assert (admission.held, admission.running, admission.queue_depth) == (0, 0, 0)
 
 
-def test_request_over_the_servers_capacity_is_a_400(tiny_engine):
-    with make_client(tiny_engine, limits=Limits(max_tokens_in_flight=50)) as c:
+def test_request_over_the_servers_capacity_is_a_400(fake_backend):
+    with make_client(fake_backend, limits=Limits(max_tokens_in_flight=50)) as c:
         err = envelope(c.post("/v1/completions", json={**BODY, "max_tokens": 10, "n": 5}), 400, "invalid_request")
         assert "max_tokens_in_flight" in err["message"] and err["param"] == "max_tokens"
         assert c.post("/v1/completions", json={**BODY, "max_tokens": 10, "n": 3}).status_code == 200
@@ -185,7 +186,7 @@ def test_request_timeout(tiny_engine):
     assert tiny_engine.num_in_flight == 0
 
 
-def test_health_loading_ready_draining(tiny_engine):
+def test_health_loading_ready_draining(fake_backend):
     from logprobe.api.app import attach_engine
 
     app = create_app(None)
@@ -194,7 +195,7 @@ def test_health_loading_ready_draining(tiny_engine):
         assert r.status_code == 503 and r.json()["status"] == "loading"
         err = envelope(c.post("/v1/completions", json=BODY), 503, "unavailable")
         assert "loading" in err["message"]
-        attach_engine(app, tiny_engine)
+        attach_engine(app, fake_backend)
         assert c.get("/health").json()["status"] == "ready"
         assert c.post("/v1/completions", json=BODY).status_code == 200
         app.state.admission.drain()
@@ -204,8 +205,8 @@ def test_health_loading_ready_draining(tiny_engine):
         assert err["type"] == "server_error" and "shutting down" in err["message"]
 
 
-def test_metrics_exposition(tiny_engine):
-    with make_client(tiny_engine) as c:
+def test_metrics_exposition(fake_backend):
+    with make_client(fake_backend) as c:
         c.post("/v1/completions", json=BODY)
         c.post("/v1/completions", json={**BODY, "n": 0})
         text = c.get("/metrics").text

@@ -22,32 +22,32 @@ def test_model_list_and_card(client, tiny_engine, tiny_model):
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
-def test_tokenize_roundtrip(client, tokenizer):
-    r = client.post("/tokenize", json={"model": "tiny", "prompt": "Hello world"}).json()
+def test_tokenize_roundtrip(fake_client, tokenizer):
+    r = fake_client.post("/tokenize", json={"model": "tiny", "prompt": "Hello world"}).json()
     assert r["tokens"] == tokenizer("Hello world").input_ids
     assert r["count"] == len(r["tokens"]) and r["max_model_len"] == 256
-    back = client.post("/detokenize", json={"model": "tiny", "tokens": r["tokens"]}).json()
+    back = fake_client.post("/detokenize", json={"model": "tiny", "tokens": r["tokens"]}).json()
     assert back == {"prompt": "Hello world"}
-    r2 = client.post("/tokenize", json={"prompt": "<|im_start|>hi", "add_special_tokens": False}).json()
+    r2 = fake_client.post("/tokenize", json={"prompt": "<|im_start|>hi", "add_special_tokens": False}).json()
     assert r2["tokens"][0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
 
 
-def test_tokenizer_errors(client):
-    r = client.post("/tokenize", json={"prompt": 5})
+def test_tokenizer_errors(fake_client):
+    r = fake_client.post("/tokenize", json={"prompt": 5})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
-    r = client.post("/detokenize", json={"tokens": [1, -5]})
+    r = fake_client.post("/detokenize", json={"tokens": [1, -5]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
-    r = client.post("/tokenize", json={"model": "other", "prompt": "x"})
+    r = fake_client.post("/tokenize", json={"model": "other", "prompt": "x"})
     assert r.status_code == 404
 
 
-def test_tokenizer_info(client, tokenizer):
-    info = client.get("/tokenizer_info").json()
+def test_tokenizer_info(fake_client, tokenizer):
+    info = fake_client.get("/tokenizer_info").json()
     assert info["eos_token"] == tokenizer.eos_token and info["bos_token"] == tokenizer.bos_token
     assert info["vocab_size"] == len(tokenizer)
 
 
-def test_health(client):
-    r = client.get("/health")
+def test_health(fake_client):
+    r = fake_client.get("/health")
     assert r.status_code == 200 and r.json()["status"] == "ready"
     assert r.headers["x-request-id"].startswith("req_")

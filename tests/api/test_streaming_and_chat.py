@@ -1,4 +1,6 @@
-"""Streaming (SSE framing, deltas, usage, errors) and chat completions, on the tiny model."""
+"""Streaming (SSE framing, deltas, usage, errors) and chat completions. Formats and refusals on the fake
+backend (`fake_client`); streamed against non-streamed answers, and numbers against the float64
+reference, on the tiny model (`client`)."""
 
 from __future__ import annotations
 
@@ -73,8 +75,8 @@ def test_streamed_equals_non_streamed(client, extra):
         assert "usage" not in c  # no include_usage
 
 
-def test_each_chunk_carries_its_tokens_text(client):
-    chunks = events(client, "/v1/completions", {"model": "tiny", "prompt": "Chunk by chunk", "max_tokens": 8,
+def test_each_chunk_carries_its_tokens_text(fake_client):
+    chunks = events(fake_client, "/v1/completions", {"model": "tiny", "prompt": "Chunk by chunk", "max_tokens": 8,
                                                  "logprobs": 1, "stream": True, "seed": 1})
     for c in chunks:
         ch = c["choices"][0]
@@ -84,21 +86,22 @@ def test_each_chunk_carries_its_tokens_text(client):
         assert len(tokens) <= 1  # one decode step per chunk
 
 
-def test_include_usage_final_chunk(client):
+def test_include_usage_final_chunk(fake_client):
     body = {"model": "tiny", "prompt": ["a", "b"], "n": 2, "max_tokens": 5, "stream": True,
             "stream_options": {"include_usage": True}, "seed": 4}
-    chunks = events(client, "/v1/completions", body)
+    chunks = events(fake_client, "/v1/completions", body)
     last = chunks[-1]
     assert last["choices"] == [] and last["usage"]["completion_tokens"] == 20
     assert last["usage"]["prompt_tokens"] == sum(
-        len(client.post("/tokenize", json={"prompt": p}).json()["tokens"]) for p in ("a", "b"))
+        len(fake_client.post("/tokenize", json={"prompt": p}).json()["tokens"]) for p in ("a", "b"))
     assert all(c["usage"] is None for c in chunks[:-1])
     indexes = {c["choices"][0]["index"] for c in chunks[:-1]}
     assert indexes == {0, 1, 2, 3}
 
 
-def test_stream_options_without_stream(client):
-    r = client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}})
+def test_stream_options_without_stream(fake_client):
+    r = fake_client.post("/v1/completions",
+                         json={"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
 
 
@@ -160,9 +163,9 @@ def test_chat_streamed_equals_non_streamed(client):
         assert all(c["object"] == "chat.completion.chunk" for c in chunks)
 
 
-def test_chat_errors(client):
+def test_chat_errors(fake_client):
     def err(body, status=400):
-        r = client.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, **body})
+        r = fake_client.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, **body})
         assert r.status_code == status, r.text
         return r.json()["error"]
 

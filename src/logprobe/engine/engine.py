@@ -17,8 +17,8 @@ from collections.abc import AsyncIterator
 
 import torch
 
-from ..backend import (Delta, FinishReason, GenerationOutput, GenerationRequest, ModelInfo, SamplingParams,
-                       StreamEnd, finished_without_forward)
+from ..backend import (Delta, FinishReason, GenerationOutput, GenerationRequest, ModelInfo, RequestAborted,
+                       SamplingParams, StreamEnd, finished_without_forward)
 from .request import Sequence, SequenceGroup
 from .streaming import attach_releasers
 from . import fast_runner
@@ -266,8 +266,11 @@ class Engine:
                 continue
             self._linger()
             plan = self.scheduler.schedule()
-            for group in self.scheduler.dropped:
+            for group in self.scheduler.dropped:  # aborted: whoever awaits them learns it
                 self.runner.release(group)
+                if group.error is None:
+                    group.error = RequestAborted(group.request_id)
+                self._finish(group)
             self.scheduler.dropped.clear()
             if plan is None:
                 continue

@@ -15,11 +15,12 @@ from .request import Sequence, SequenceGroup
 
 
 class Releaser:
-    def __init__(self, seq: Sequence, group: SequenceGroup, k: int, hold_chars: int):
+    def __init__(self, seq: Sequence, group: SequenceGroup, k: int, hold_chars: int, has_stops: bool = False):
         self.seq = seq
         self.group = group
         self.k = k
         self.hold = hold_chars
+        self.has_stops = has_stops
         self.tokens = 0  # tokens released so far
         self.chars = 0  # characters of the generated text released so far
         self.is_first = True
@@ -44,7 +45,10 @@ class Releaser:
             def end_of(i):  # where token i's text ends: where the next token starts
                 return (offsets[i + 1] if i + 1 < count else start + len(text)) - start
 
-            while upto < count and end_of(upto) <= safe:
+            # A token goes out once its text ends in the safe part; with stop strings, it must also start
+            # there: a stop string's cut drops every token that starts at or after it, an empty one (a
+            # special token, a piece of a character) right where a stop string begins included.
+            while upto < count and end_of(upto) <= safe and not (self.has_stops and offsets[upto] - start >= safe):
                 upto += 1
             chars = end_of(upto - 1) if upto > self.tokens else self.chars
         if upto == self.tokens and chars == self.chars and not seq.is_finished and not self.is_first:
@@ -65,7 +69,7 @@ def attach_releasers(groups: list[SequenceGroup], k: int, loop: asyncio.Abstract
     for g_index, group in enumerate(groups):
         stops = group.params.stop
         hold = max((len(s) for s in stops), default=1) - 1
-        releasers = [Releaser(seq, group, k, hold) for seq in group.sequences]
+        releasers = [Releaser(seq, group, k, hold, bool(stops)) for seq in group.sequences]
 
         def on_step(group, releasers=releasers, g_index=g_index):
             deltas = [d for d in (r.release(g_index) for r in releasers) if d is not None]

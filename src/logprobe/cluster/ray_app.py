@@ -1,0 +1,429 @@
+"""logprobe on Ray Serve: N model replicas behind one HTTP address (`logprobe serve --replicas N`).
+
+The application has two deployments:
+
+- `ModelReplica` (N of them, or an autoscaled range): each loads the model, runs an `Engine` and holds
+  its own capacity (`max_tokens_in_flight`) around it. It speaks the backend seam (backend.py): it
+  takes `GenerationRequest`s and returns `GenerationOutput`s, or streams `Delta`s, all plain picklable
+  records. Every second it reports its stats and engine metrics to the `ClusterState` actor.
+- `Ingress` (one by default): the logprobe HTTP app itself (api/app.py: checks, tokenization, formats,
+  errors, keys) on a `RayBackend`, which sends each request to a replica through a Serve handle (Serve
+  routes it to a replica that has room: `max_ongoing_requests`). Its admission is `SharedAdmission`:
+  the token budget is the ClusterState actor's, one for the application.
+
+So the bytes a client gets are made by the same code as in one process; only the engine's work moves.
+A replica that dies under a request ends it with 503 (`unavailable`), streams with the error event;
+the request's tokens go back to its key's budget, and Serve starts a new replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+
+import ray
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import Metric
+from prometheus_client.exposition import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+from ray import serve
+
+from ..backend import BackendUnavailable, GenerationOutput, GenerationRequest
+from ..config import Settings
+from .state import STALE_S, ClusterState, SharedAdmission
+
+log = logging.getLogger("logprobe.cluster")
+
+NAMESPACE = "logprobe"
+STATE_ACTOR = "logprobe-cluster-state"
+APP_NAME = "logprobe"
+REPORT_EVERY_S = 1.0
+
+
+def held_tokens(requests: list[GenerationRequest]) -> int:
+    return sum((r.num_prompt_tokens + r.params.max_tokens) * r.params.n for r in requests)
+
+
+class Refusal:
+    """An API error raised on a replica (its capacity queue is full, or the wait timed out), carried
+    back as data: exceptions with their own constructors do not survive pickling."""
+
+    def __init__(self, exc):
+        self.status, self.message, self.param = exc.status, exc.message, exc.param
+        self.type, self.code, self.headers = exc.type, exc.code, dict(exc.headers or {})
+
+    def error(self):
+        from ..api.errors import APIError
+
+        return APIError(self.message, self.param, status=self.status, code=self.code, type=self.type,
+                        headers=self.headers)
+
+
+# ---- the model replica ------------------------------------------------------------------------------
+
+
+class ModelReplica:
+    def __init__(self, settings: Settings):
+        import torch
+
+        from ..api.admission import Admission
+        from ..api.metrics import EngineMetrics
+        from ..engine import loader
+        from ..engine.engine import Engine
+
+        threads = max(1, int(settings.cpus_per_replica))
+        torch.set_num_threads(threads)
+        source = loader.resolve_source(settings.model)
+        model, tokenizer = loader.load(source, dtype=settings.dtype, device=settings.device,
+                                       quantization=settings.quantization)
+        if settings.chat_template:
+            with open(settings.chat_template, encoding="utf-8") as fh:
+                tokenizer.chat_template = fh.read()
+        aliases = source.aliases + [a for a in settings.aliases if a not in source.aliases]
+        self.engine = Engine(model, tokenizer, source.name, aliases, max_model_len=settings.max_model_len or None,
+                             kv_cache_positions=settings.kv_cache_positions)
+        self.engine.start()
+        self.registry = CollectorRegistry()
+        self.metrics = EngineMetrics(self.registry, self.engine.stats)
+        self.engine.step_observer = self.metrics.observe_step
+        self.engine.failure_observer = self.metrics.observe_failure
+        a = settings.admission
+        self.admission = Admission(settings.limits.max_tokens_in_flight, 0, a.max_queue, a.queue_timeout)
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.state = ray.get_actor(STATE_ACTOR, namespace=NAMESPACE)
+        self._stop = threading.Event()
+        threading.Thread(target=self._report_loop, name="logprobe-report", daemon=True).start()
+
+    def _stats(self) -> dict:
+        return {**self.engine.stats(), "pid": os.getpid(), "requests_running": self.admission.running,
+                "requests_queued": self.admission.queue_depth, "tokens_held": self.admission.held}
+
+    def _report_loop(self) -> None:
+        while not self._stop.wait(REPORT_EVERY_S):
+            try:
+                self.state.report.remote(self.replica_id, self._stats(), generate_latest(self.registry))
+            except Exception:  # the actor is gone with the application
+                log.debug("report failed", exc_info=True)
+
+    def __del__(self):
+        self._stop.set()
+        self.engine.stop()
+
+    def check_health(self) -> None:
+        """Serve's health check: a replica whose engine loop died is replaced."""
+        if self.engine._thread is None or not self.engine._thread.is_alive():
+            raise RuntimeError("the engine's step loop is not running")
+
+    def describe(self):
+        """What the ingress needs to check and format requests: the model's info, tokenizer and table."""
+        return self.engine.info, self.engine.tokenizer, self.engine.table
+
+    def stats(self) -> dict:
+        return self._stats()
+
+    async def _hold(self, requests):
+        from ..api.errors import APIError
+
+        try:
+            return await self.admission.acquire("replica", held_tokens(requests)), None
+        except APIError as exc:
+            return None, Refusal(exc)
+
+    async def run(self, requests: list[GenerationRequest]):
+        hold, refusal = await self._hold(requests)
+        if refusal is not None:
+            return refusal
+        try:
+            return await self.engine.run(requests)
+        finally:
+            self.admission.release(hold, used=0)
+
+    async def stream(self, requests: list[GenerationRequest], k: int):
+        hold, refusal = await self._hold(requests)
+        if refusal is not None:
+            yield refusal
+            return
+        events = self.engine.stream(requests, k)
+        try:
+            async for event in events:
+                yield event
+        finally:
+            await events.aclose()
+            self.admission.release(hold, used=0)
+
+
+# ---- the ingress's backend ---------------------------------------------------------------------------
+
+
+def _replica_gone(exc: BaseException) -> bool:
+    """Whether an error from a handle call means the replica (its process) is gone, not that the request
+    failed there."""
+    gone = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.WorkerCrashedError,
+            ray.exceptions.NodeDiedError, ray.exceptions.ObjectLostError)
+    return isinstance(exc, gone) or isinstance(getattr(exc, "cause", None), gone)
+
+
+GONE = "The model replica serving this request went away ({}); try again."
+
+
+class ReplicaMetrics:
+    """A prometheus_client collector: every replica's engine metrics, from their latest reports, with a
+    `replica` label (one family per metric, every replica's samples in it)."""
+
+    def __init__(self, backend: "RayBackend"):
+        self.backend = backend
+
+    def collect(self):
+        families: dict[str, Metric] = {}
+        for replica, report in sorted(self.backend.snapshot.items()):
+            if report["age"] > STALE_S:
+                continue
+            text = report["metrics"].decode() if isinstance(report["metrics"], bytes) else report["metrics"]
+            for fam in text_string_to_metric_families(text):
+                out = families.get(fam.name)
+                if out is None:
+                    out = families[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+                out.samples.extend(Sample(s.name, {**s.labels, "replica": replica}, s.value, s.timestamp, s.exemplar)
+                                   for s in fam.samples)
+        return list(families.values())
+
+
+class RayBackend:
+    """The Backend protocol (backend.py) over a Serve handle to the ModelReplica deployment."""
+
+    def __init__(self, handle, state, info, tokenizer, table, target: str):
+        self.handle = handle
+        self.state = state
+        self.info, self.tokenizer, self.table = info, tokenizer, table
+        self.target = target  # "2", or "1:8" when autoscaled
+        self.snapshot: dict = {}
+        self.metrics_collector = ReplicaMetrics(self)
+        self._poller: asyncio.Task | None = None
+        self._responses: dict[str, list] = {}
+
+    # ---- reports
+    def _ensure_polling(self) -> None:
+        if self._poller is None or self._poller.done():
+            self._poller = asyncio.get_running_loop().create_task(self._poll())
+
+    async def _poll(self) -> None:
+        while True:
+            try:
+                self.snapshot = await self.state.snapshot.remote()
+            except Exception:
+                log.warning("reading the replicas' reports failed", exc_info=True)
+            await asyncio.sleep(REPORT_EVERY_S)
+
+    async def refresh(self) -> None:
+        self.snapshot = await self.state.snapshot.remote()
+        self._ensure_polling()
+
+    def stats(self) -> dict:
+        try:
+            self._ensure_polling()
+        except RuntimeError:  # no running loop
+            pass
+        live = {r: rep["stats"] for r, rep in self.snapshot.items() if rep["age"] <= STALE_S}
+        ready = [s for s in live.values() if not s.get("failing")]
+        out = {"in_flight": sum(s["in_flight"] for s in live.values()),
+               "steps": sum(s["steps"] for s in live.values()),
+               "kv_cache_bytes": sum(s["kv_cache_bytes"] for s in live.values()),
+               "failing": not ready,
+               "step_failures": sum(s["step_failures"] for s in live.values()),
+               "request_failures": sum(s["request_failures"] for s in live.values()),
+               "replicas": {"ready": len(ready), "reporting": len(live), "target": self.target}}
+        errors = [s["last_error"] for s in live.values() if "last_error" in s]
+        if errors:
+            out["last_error"] = max(errors, key=lambda e: e["at"])
+        return out
+
+    # ---- requests
+    def _track(self, request_id: str, response) -> None:
+        self._responses.setdefault(request_id, []).append(response)
+
+    def _untrack(self, request_id: str, response) -> None:
+        held = self._responses.get(request_id, [])
+        if response in held:
+            held.remove(response)
+        if not held:
+            self._responses.pop(request_id, None)
+
+    async def run(self, requests: list[GenerationRequest]) -> list[GenerationOutput]:
+        request_id = requests[0].request_id if requests else ""
+        response = self.handle.run.remote(requests)
+        self._track(request_id, response)
+        try:
+            result = await response
+        except asyncio.CancelledError:
+            response.cancel()  # Serve cancels the replica's task: the engine drops the requests
+            raise
+        except Exception as exc:
+            if _replica_gone(exc):
+                raise BackendUnavailable(GONE.format(type(exc).__name__)) from None
+            raise
+        finally:
+            self._untrack(request_id, response)
+        if isinstance(result, Refusal):
+            raise result.error()
+        return result
+
+    async def stream(self, requests: list[GenerationRequest], k: int):
+        request_id = requests[0].request_id if requests else ""
+        response = self.handle.options(stream=True).stream.remote(requests, k)
+        self._track(request_id, response)
+        finished = False
+        try:
+            async for event in response:
+                if isinstance(event, Refusal):
+                    raise event.error()
+                yield event
+            finished = True
+        except Exception as exc:
+            if _replica_gone(exc):
+                raise BackendUnavailable(GONE.format(type(exc).__name__)) from None
+            raise
+        finally:
+            self._untrack(request_id, response)
+            if not finished:
+                response.cancel()
+
+    def abort(self, request_id: str) -> None:
+        for response in list(self._responses.get(request_id, ())):
+            response.cancel()
+
+
+# ---- the ingress ------------------------------------------------------------------------------------
+
+
+class Ingress:
+    """The logprobe HTTP app, on a RayBackend (Serve calls __serve_build_asgi_app__ after __init__)."""
+
+    async def __init__(self, model_handle, settings: Settings, target: str):
+        self.settings = settings
+        self.state = ray.get_actor(STATE_ACTOR, namespace=NAMESPACE)
+        info, tokenizer, table = await model_handle.describe.remote()
+        self.backend = RayBackend(model_handle, self.state, info, tokenizer, table, target)
+        await self.backend.refresh()
+
+    def __serve_build_asgi_app__(self):
+        from ..api.app import attach_backend, create_app
+
+        s = self.settings
+        admission = SharedAdmission(self.state, s.limits.max_tokens_in_flight, s.admission.tokens_per_minute,
+                                    s.admission.queue_timeout)
+        self.http_app = create_app(None, s.limits, s.admission, s.api_keys, admission_control=admission)
+        attach_backend(self.http_app, self.backend)
+        return self.http_app
+
+    async def drain(self) -> int:
+        """Refuse new requests (503, as one process does on SIGTERM); returns the requests still running."""
+        self.http_app.state.admission.drain()
+        return self.http_app.state.admission.running
+
+    async def running(self) -> int:
+        return self.http_app.state.admission.running
+
+
+# ---- launching ---------------------------------------------------------------------------------------
+
+
+def parse_replicas(value: str) -> tuple[int, int]:
+    """`N` -> (N, N); `MIN:MAX` -> an autoscaled range."""
+    try:
+        low, _, high = value.partition(":")
+        lo, hi = int(low), int(high or low)
+    except ValueError:
+        raise ValueError(f"--replicas takes N or MIN:MAX, not {value!r}") from None
+    if lo < 0 or hi < 1 or lo > hi:
+        raise ValueError(f"--replicas {value}: need 0 <= MIN <= MAX and MAX >= 1")
+    return lo, hi
+
+
+def build_application(settings: Settings):
+    """The Serve application (not yet running): ModelReplica x N behind the Ingress."""
+    lo, hi = parse_replicas(settings.replicas)
+    actor_options = {"num_cpus": settings.cpus_per_replica}
+    if settings.device.startswith("cuda"):
+        actor_options["num_gpus"] = 1
+    scaling = ({"num_replicas": lo} if lo == hi else
+               {"autoscaling_config": {"min_replicas": lo, "max_replicas": hi, "target_ongoing_requests": 4}})
+    quiet = {"log_level": "WARNING", "enable_access_log": False}
+    model = serve.deployment(ModelReplica, name="ModelReplica", ray_actor_options=actor_options, logging_config=quiet,
+                             max_ongoing_requests=settings.max_ongoing_per_replica,
+                             graceful_shutdown_timeout_s=settings.admission.drain_timeout,
+                             graceful_shutdown_wait_loop_s=0.2,
+                             # a dead replica is noticed within ~2 s; a busy one has 20 s to answer
+                             health_check_period_s=2, health_check_timeout_s=20, **scaling)
+    ingress = serve.deployment(serve.ingress()(Ingress), name="Ingress", num_replicas=1, logging_config=quiet,
+                               ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000,
+                               graceful_shutdown_timeout_s=settings.admission.drain_timeout,
+                               graceful_shutdown_wait_loop_s=0.2)
+    target = str(lo) if lo == hi else f"{lo}:{hi}"
+    return ingress.bind(model.bind(settings), settings, target)
+
+
+def start_ray(settings: Settings) -> None:
+    """Join the cluster at --ray-address, or start a local Ray bound to loopback: Ray picks the machine's
+    network address unless RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 is set before ray is imported, which
+    cli.serve_replicas does (`local_ray_environment`)."""
+    if settings.ray_address:
+        ray.init(address=settings.ray_address, namespace=NAMESPACE, logging_level=logging.WARNING)
+        return
+    ray.init(num_cpus=settings.ray_cpus or os.cpu_count(), include_dashboard=False, namespace=NAMESPACE,
+             logging_level=logging.WARNING)
+
+
+def start_state(settings: Settings):
+    """The ClusterState actor (replaced if a previous application left one)."""
+    try:
+        ray.kill(ray.get_actor(STATE_ACTOR, namespace=NAMESPACE))
+    except ValueError:
+        pass
+    return ray.remote(num_cpus=0, max_restarts=-1)(ClusterState).options(
+        name=STATE_ACTOR, namespace=NAMESPACE, lifetime="detached").remote(settings.admission.tokens_per_minute)
+
+
+def run(settings: Settings) -> int:
+    """`logprobe serve --replicas ...`: start (or join) Ray, deploy, serve until SIGTERM/SIGINT, then
+    drain like one process (new requests 503, running ones finish up to --drain-timeout) and stop."""
+    import signal
+
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    start_ray(settings)
+    start_state(settings)
+    serve.start(http_options={"host": settings.host, "port": settings.port},
+                logging_config={"log_level": "WARNING", "enable_access_log": False})
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)
+    signalled = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: signalled.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        handle = serve.run(build_application(settings), name=APP_NAME, route_prefix="/", blocking=False)
+        log.info("ready: serving %s replica(s) of %s on http://%s:%d", settings.replicas, settings.model or "the bundled model",
+                 settings.host, settings.port)
+        while not signalled.wait(0.5):
+            pass
+        log.info("draining (new requests get 503, running ones finish, up to %g s)", settings.admission.drain_timeout)
+        try:
+            running = handle.drain.remote().result(timeout_s=10)
+            deadline = time.monotonic() + settings.admission.drain_timeout
+            while running and time.monotonic() < deadline:
+                time.sleep(0.1)
+                running = handle.running.remote().result(timeout_s=10)
+        except Exception:
+            log.warning("draining the ingress failed", exc_info=True)
+        return 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        try:
+            serve.shutdown()
+        finally:
+            try:
+                ray.kill(ray.get_actor(STATE_ACTOR, namespace=NAMESPACE))
+            except Exception:
+                pass
+            ray.shutdown()

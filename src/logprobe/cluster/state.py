@@ -1,0 +1,165 @@
+"""What the replicas of one logprobe application share: a Ray actor that holds each API key's token
+budget (one budget for the whole application, whatever replica or ingress a request meets) and the
+replicas' latest reports (their stats and engine metrics, for /health and /metrics).
+
+The actor runs the same token bucket as one process (api/admission.py); `SharedAdmission` is the
+ingress's side of it, with the interface of `Admission`, so the API code does not know the difference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from dataclasses import dataclass
+
+from ..api.admission import (Hold, TokenBucket, budget_headers, budget_wait_too_long, never_fits_budget,
+                             over_capacity, waited_too_long)
+from ..api.errors import Unavailable
+
+STALE_S = 5.0  # a replica that has not reported for this long is not counted as ready
+
+
+class ClusterState:
+    """The shared state (a Ray actor: `ray.remote(ClusterState)`; async methods run on one event loop,
+    so no locks are needed beyond per-key ordering)."""
+
+    def __init__(self, tokens_per_minute: int, clock=time.monotonic):
+        self.tokens_per_minute = tokens_per_minute
+        self.clock = clock
+        self._buckets: dict[str, TokenBucket] = {}
+        self._turns: dict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)  # FIFO per key
+        self._reports: dict[str, tuple[float, dict, bytes]] = {}
+
+    # ---- the token budget ---------------------------------------------------------------------
+    def _bucket(self, key: str) -> TokenBucket:
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            bucket = self._buckets[key] = TokenBucket(self.tokens_per_minute, self.clock())
+        return bucket
+
+    def _verdict(self, key: str, kind: str, **extra) -> dict:
+        return {"kind": kind, "headers": budget_headers(self._bucket(key), self.tokens_per_minute, self.clock()),
+                **extra}
+
+    async def take(self, key: str, tokens: int, queue_timeout: float) -> dict:
+        """Take `tokens` from the key's budget, waiting for the refill up to `queue_timeout` seconds
+        (requests of one key take turns in arrival order; other keys never wait behind them). The
+        verdict's kind: "ok", "never" (over the whole budget), "too_long" (the wait is known to pass
+        queue_timeout: `wait`, `level`) or "timeout" (it did pass it)."""
+        if tokens > self.tokens_per_minute:
+            return self._verdict(key, "never")
+        bucket = self._bucket(key)
+        wait = bucket.wait_for(tokens, self.clock())
+        if wait > queue_timeout:
+            return self._verdict(key, "too_long", wait=wait, level=bucket.level)
+        try:
+            await asyncio.wait_for(self._take_in_turn(key, bucket, tokens), queue_timeout)
+        except asyncio.TimeoutError:
+            return self._verdict(key, "timeout")
+        return self._verdict(key, "ok")
+
+    async def _take_in_turn(self, key: str, bucket: TokenBucket, tokens: int) -> None:
+        async with self._turns[key]:
+            while (wait := bucket.wait_for(tokens, self.clock())) > 0:
+                await asyncio.sleep(wait + 1e-3)
+            bucket.level -= tokens  # no await between the check and the take
+
+    def give_back(self, key: str, tokens: int) -> None:
+        """Tokens a request held but did not use (max_tokens it did not generate, or all of them when its
+        replica died) go back to its key's budget."""
+        if tokens <= 0:
+            return
+        bucket = self._bucket(key)
+        bucket.refill(self.clock())
+        bucket.level = min(bucket.size, bucket.level + tokens)
+
+    # ---- replicas' reports ----------------------------------------------------------------------
+    def report(self, replica: str, stats: dict, metrics_text: bytes) -> None:
+        self._reports[replica] = (self.clock(), stats, metrics_text)
+
+    def forget(self, replica: str) -> None:
+        self._reports.pop(replica, None)
+
+    def snapshot(self) -> dict:
+        """{replica: {"age": seconds since its report, "stats": ..., "metrics": text}}; replicas silent for
+        over a minute are dropped (a replaced replica has a new id)."""
+        now = self.clock()
+        for replica in [r for r, (at, _, _) in self._reports.items() if now - at > 60]:
+            del self._reports[replica]
+        return {r: {"age": now - at, "stats": stats, "metrics": text}
+                for r, (at, stats, text) in self._reports.items()}
+
+
+@dataclass
+class _Pending:
+    count: int = 0
+
+
+class SharedAdmission:
+    """The hold at the ingress of an application of replicas.
+
+    - The token budget (`tokens_per_minute`) is the ClusterState actor's: one for the application.
+    - The capacity hold (`max_tokens_in_flight`) is each replica's own (it protects that replica's
+      memory; ModelReplica holds it around the engine); here a request that can never fit one replica is
+      refused before anything is queued, with the message one process gives.
+    - `held`, `running` and `queue_depth` count this ingress's requests, for /health and /metrics.
+    """
+
+    def __init__(self, state, capacity: int, tokens_per_minute: int, queue_timeout: float):
+        self.state = state  # a handle on the ClusterState actor
+        self.capacity = capacity
+        self.tokens_per_minute = tokens_per_minute
+        self.queue_timeout = queue_timeout
+        self.held = 0
+        self.running = 0
+        self.draining = False
+        self._waiting = _Pending()
+        self.on_queue_time = None
+
+    @property
+    def queue_depth(self) -> int:
+        return self._waiting.count
+
+    async def acquire(self, key: str, tokens: int) -> Hold:
+        if self.draining:
+            raise Unavailable("The server is shutting down and takes no new requests.")
+        if tokens > self.capacity:
+            raise over_capacity(tokens, self.capacity)
+        hold = Hold(key, tokens, time.monotonic())
+        if self.tokens_per_minute:
+            self._waiting.count += 1
+            try:
+                verdict = await self.state.take.remote(key, tokens, self.queue_timeout)
+            finally:
+                self._waiting.count -= 1
+            headers = verdict["headers"]
+            if verdict["kind"] == "never":
+                raise never_fits_budget(tokens, self.tokens_per_minute, headers)
+            if verdict["kind"] == "too_long":
+                raise budget_wait_too_long(tokens, verdict["level"], self.tokens_per_minute, verdict["wait"], headers)
+            if verdict["kind"] == "timeout":
+                raise waited_too_long(tokens, self.queue_timeout, headers)
+            hold.headers = headers
+        if self.draining:  # drained while it waited
+            if self.tokens_per_minute:
+                self.state.give_back.remote(key, tokens)
+            raise Unavailable("The server is shutting down and takes no new requests.")
+        hold.admitted_at = time.monotonic()
+        self.held += tokens
+        self.running += 1
+        if self.on_queue_time is not None:
+            self.on_queue_time(hold.queue_seconds)
+        return hold
+
+    def release(self, hold: Hold, used: int) -> None:
+        if hold.released:
+            return
+        hold.released = True
+        self.held -= hold.tokens
+        self.running -= 1
+        if self.tokens_per_minute and hold.tokens > used:
+            self.state.give_back.remote(hold.key, hold.tokens - used)
+
+    def drain(self) -> None:
+        self.draining = True

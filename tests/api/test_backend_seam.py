@@ -1,0 +1,496 @@
+"""The seam between the API and the model (src/logprobe/backend.py): the API imports and serves without
+torch, its records cross a process boundary, both backends fit the protocol, what the API hands over,
+and how it answers when a backend fails or its client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+from fastapi.testclient import TestClient
+
+from fake_backend import FakeBackend, TinyTokenizer
+from logprobe.api.app import create_app
+from logprobe.backend import (Backend, BackendUnavailable, Delta, RequestAborted, GenerationOutput, GenerationRequest, SamplingParams,
+                              StreamEnd)
+from logprobe.config import AdmissionSettings, Limits
+
+TESTS = Path(__file__).resolve().parent.parent
+
+# ---- the API without torch ----------------------------------------------------------------------
+
+WITHOUT_TORCH = r'''
+import sys, importlib.abc
+BLOCKED = ("torch", "transformers")
+
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ImportError(f"{name} is made unimportable by this test")
+        return None
+
+sys.meta_path.insert(0, Block())
+for name in list(sys.modules):
+    if name.split(".")[0] in BLOCKED:
+        del sys.modules[name]
+try:
+    import torch  # noqa: F401
+except ImportError:
+    pass
+else:
+    raise SystemExit("the blocker does not block torch")
+
+sys.path.insert(0, TESTS)
+import base64, json, pkgutil, importlib
+import logprobe.api.app
+import logprobe.backend
+import logprobe.output
+for mod in pkgutil.iter_modules(logprobe.output.__path__):
+    importlib.import_module("logprobe.output." + mod.name)
+for mod in pkgutil.iter_modules(logprobe.api.__path__):
+    importlib.import_module("logprobe.api." + mod.name)
+from starlette.testclient import TestClient
+from fake_backend import FakeBackend, TinyTokenizer
+
+backend = FakeBackend(TinyTokenizer())
+V, D = backend.info.vocab_size, backend.info.d_model
+with TestClient(logprobe.api.app.create_app(backend), raise_server_exceptions=False) as c:
+    body = {"model": "tiny", "prompt": "Hello there", "max_tokens": 4, "logprobs": 2, "echo": True, "seed": 3}
+    r = c.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    assert choice["text"].startswith("Hello there")
+    assert len(lp["tokens"]) == 1 + len("Hello there") + 4 and lp["token_logprobs"][0] is None
+    assert lp["tokens"][0] == "<s>" and lp["text_offset"][:2] == [0, 0]
+
+    r = c.post("/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    blocks = r.text.split("\n\n")
+    assert blocks[-1] == "" and blocks[-2] == "data: [DONE]"
+    chunks = [json.loads(b[len("data: "):]) for b in blocks[:-2]]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+    assert "".join(ch["text"] for c_ in chunks[:-1] for ch in c_["choices"]) == choice["text"]
+    assert [ch["finish_reason"] for c_ in chunks[:-1] for ch in c_["choices"]][-1] == choice["finish_reason"]
+
+    r = c.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                             "max_tokens": 3, "logprobs": True, "top_logprobs": 2})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["object"] == "chat.completion" and out["prompt_logprobs"] is None
+    assert len(out["choices"][0]["logprobs"]["content"]) <= 3
+
+    r = c.post("/v1/score", json={"model": "tiny", "input": "abc", "context": "x", "top_logprobs": 2})
+    assert r.status_code == 200, r.text
+    data = r.json()["data"][0]
+    assert data["tokens"] == ["a", "b", "c"] and data["num_tokens"] == 3 and len(data["top_logprobs"]) == 3
+
+    r = c.post("/v1/completions", json={"model": "tiny", "prompt": "abc", "max_tokens": 0, "prompt_logprobs": -1})
+    assert r.status_code == 200, r.text
+    plp = r.json()["choices"][0]["prompt_logprobs"]
+    assert len(plp) == 4 and plp[0] is None and all(len(row) == V for row in plp[1:])
+
+    r = c.post("/v1/completions", json={"model": "tiny", "prompt": "abc", "max_tokens": 2, "temperature": 0,
+                                        "output_residual_stream": {"layers": [0, -1], "dtype": "bfloat16"}})
+    assert r.status_code == 200, r.text
+    res = r.json()["choices"][0]["residual_stream"]
+    assert res["num_positions"] == 4 + 2 and res["d_model"] == D and res["layers"] == [0, -1]
+    for layer in ("0", "-1"):
+        assert len(base64.b64decode(res["data"][layer])) == 6 * D * 2
+
+    r = c.post("/v1/completions", json={"model": "tiny", "prompt": "x", "n": 0})
+    assert r.status_code == 400
+    assert set(r.json()) == {"error", "request_id"} and r.json()["error"]["param"] == "n"
+
+    r = c.get("/health")
+    assert r.status_code == 200 and r.json()["status"] == "ready" and r.json()["tokens_held"] == 0
+    r = c.get("/metrics")
+    assert r.status_code == 200 and "logprobe_requests_total" in r.text
+
+leaked = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
+assert not leaked, leaked
+print("served without torch")
+'''
+
+
+def test_the_api_serves_without_torch():
+    code = f"TESTS = {str(TESTS)!r}\n" + WITHOUT_TORCH
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=TESTS)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "served without torch" in done.stdout
+
+
+def test_the_torch_blocker_is_real():
+    """The same script fails when the API imports torch (here: a module the script imports does)."""
+    imports_torch = WITHOUT_TORCH.replace("import logprobe.api.app\n",
+                                          "import logprobe.api.app\nimport logprobe.engine.engine\n")
+    code = f"TESTS = {str(TESTS)!r}\n" + imports_torch
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=TESTS)
+    assert done.returncode != 0 and "made unimportable by this test" in done.stderr
+
+
+# ---- records and the protocol --------------------------------------------------------------------
+
+
+def same(a, b) -> None:
+    """Deep equality, numpy arrays included (nan equal to nan)."""
+    assert type(a) is type(b), (type(a), type(b))
+    if isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            same(a[key], b[key])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            same(x, y)
+    elif hasattr(a, "__dataclass_fields__"):
+        for name in a.__dataclass_fields__:
+            same(getattr(a, name), getattr(b, name))
+    else:
+        assert a == b
+
+
+@pytest.fixture(scope="module")
+def tiny_backend():
+    return FakeBackend(TinyTokenizer())
+
+
+def test_records_survive_pickle(tiny_backend):
+    params = SamplingParams(max_tokens=3, n=2, seed=4, stop=["zz"], stop_token_ids=frozenset({257}), logprobs=2,
+                            echo=True, prompt_logprobs=-1, residual_layers=(0, 2))
+    request = GenerationRequest("req_1", [256, 104, 105], params, text_start=2)
+    same(pickle.loads(pickle.dumps(request)), request)
+    (out,) = asyncio.run(tiny_backend.run([request]))
+    assert isinstance(out, GenerationOutput) and out.prompt_columns.full.shape == (3, 258)
+    assert out.choices[0].residual[2].shape[1] == tiny_backend.info.d_model
+    same(pickle.loads(pickle.dumps(out)), out)
+
+    async def items():
+        return [x async for x in tiny_backend.stream([GenerationRequest("req_2", [256, 104], SamplingParams(
+            max_tokens=3, logprobs=1, echo=True, seed=1))], 1)]
+
+    got = asyncio.run(items())
+    assert isinstance(got[-1], StreamEnd) and all(isinstance(d, Delta) for x in got[:-1] for d in x)
+    assert got[0][0].is_first and got[0][0].prompt_columns is not None
+    same(pickle.loads(pickle.dumps(got)), got)
+
+
+def test_both_backends_are_backends(tiny_backend, fake_backend, tiny_engine):
+    assert isinstance(tiny_backend, Backend) and isinstance(fake_backend, Backend)
+    assert isinstance(tiny_engine, Backend)
+    for backend in (tiny_backend, tiny_engine):
+        assert set(backend.stats()) >= {"in_flight", "steps", "kv_cache_bytes", "failing", "step_failures",
+                                        "request_failures"}
+
+
+def test_the_fake_answers_like_the_engine_in_shape(fake_backend, tiny_engine):
+    """The same request on both: the same columns, widths, dtypes and counts (not the same numbers)."""
+    params = SamplingParams(max_tokens=4, n=2, seed=1, logprobs=3, echo=True, prompt_logprobs=2,
+                            residual_layers=(0, 2), stop_token_ids=tiny_engine.info.stop_token_ids)
+    request = GenerationRequest("req_3", [504, 3145, 314], params, text_start=7)
+
+    async def both():
+        return (await fake_backend.run([request]))[0], (await tiny_engine.run([request]))[0]
+
+    fake, real = asyncio.run(both())
+    for name in ("logprobs", "ranks", "top_ids", "top_logprobs"):
+        a, b = getattr(fake.prompt_columns, name), getattr(real.prompt_columns, name)
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), name
+    assert np.isnan(fake.prompt_columns.logprobs[0]) and fake.prompt_columns.ranks[0] == 0
+    assert fake.prompt_columns.full is None and real.prompt_columns.full is None
+    for f, r in zip(fake.choices, real.choices):
+        for name in ("token_ids", "logprobs", "top_ids", "top_logprobs"):
+            a, b = getattr(f, name), getattr(r, name)
+            assert (a.dtype, a.shape) == (b.dtype, b.shape), name
+        assert f.offsets[0] == r.offsets[0] == 7 and f.num_generated == r.num_generated == 4
+        assert sorted(f.residual) == sorted(r.residual) == [0, 2]
+        assert f.residual[2].shape == r.residual[2].shape == (3 + 4, 64) and f.residual[2].dtype == np.float32
+
+
+def test_the_fake_is_a_function_of_the_tokens(fake_backend):
+    """Prompt columns are the model's log probabilities: a later request can check them."""
+    ids = [504, 3145, 314, 3145, 314]
+    params = SamplingParams(max_tokens=2, temperature=0, logprobs=2, prompt_logprobs=-1)
+    (out,) = asyncio.run(fake_backend.run([GenerationRequest("req_4", ids, params)]))
+    pc = out.prompt_columns
+    for i in range(1, len(ids)):
+        row = fake_backend.logprobs_after(ids[:i])
+        assert pc.logprobs[i] == row[ids[i]] and pc.ranks[i] == 1 + (row > row[ids[i]]).sum()
+        np.testing.assert_array_equal(pc.full[i], row)
+        assert pc.full_ranks[i][100] == pc.full_ranks[i][101] == pc.full_ranks[i][102]  # a three-way tie
+    choice = out.choices[0]
+    assert choice.token_ids[0] == np.argmax(fake_backend.logprobs_after(ids))  # greedy
+    assert choice.top_ids[0][0] == choice.token_ids[0] and choice.top_logprobs[0][0] == choice.logprobs[0]
+
+
+@pytest.mark.parametrize("which", ["tiny", "smol"])
+def test_the_fakes_stream_is_its_answer(tiny_backend, fake_backend, which):
+    """Streamed deltas add up to the answer without streaming, stop strings (held back, cut) included;
+    each choice's first delta is marked and its last carries the finish_reason."""
+    backend = tiny_backend if which == "tiny" else fake_backend
+    prompt = backend.tokenizer("Once upon").input_ids
+
+    async def answer(params):
+        (out,) = await backend.run([GenerationRequest("a", prompt, params, text_start=3)])
+        items = [x async for x in backend.stream([GenerationRequest("s", prompt, params, text_start=3)],
+                                                 params.logprobs or 0)]
+        return out, items
+
+    for seed in range(24):
+        plain = SamplingParams(max_tokens=12, n=3, seed=seed, logprobs=2)
+        out, _ = asyncio.run(answer(plain))
+        text = out.choices[1].text
+        length = 1 + seed % 3  # one-character stops are held back by nothing
+        stops = [text[4:4 + length], "zq"] if len(text) > 8 else ["zq"]
+        params = SamplingParams(**{**plain.__dict__, "stop": stops, "stop_token_ids": backend.info.stop_token_ids})
+        out, items = asyncio.run(answer(params))
+        assert isinstance(items[-1], StreamEnd) and items[-1].num_generated == [out.num_generated]
+        deltas = [d for x in items[:-1] for d in x]
+        for choice in out.choices:
+            mine = [d for d in deltas if d.seq_index == choice.index]
+            assert [d.is_first for d in mine] == [True] + [False] * (len(mine) - 1)
+            assert [d.finish_reason for d in mine] == [None] * (len(mine) - 1) + [choice.finish_reason]
+            assert "".join(d.text for d in mine) == choice.text
+            same(np.concatenate([d.token_ids for d in mine]), choice.token_ids)
+            same(np.concatenate([d.top_logprobs for d in mine]), choice.top_logprobs)
+            assert sum((d.offsets for d in mine), []) == choice.offsets
+        if len(text) > 8:
+            assert out.choices[1].finish_reason == "stop" and stops[0] not in out.choices[1].text
+
+
+# ---- what crosses the seam ------------------------------------------------------------------------
+
+
+def last_call(backend, kind="run"):
+    call = backend.calls[-1]
+    assert call.kind == kind
+    return call.requests
+
+
+def test_what_completions_hand_over(fake_client, fake_backend):
+    body = {"model": "tiny", "prompt": ["The sky", "Is blue"], "max_tokens": 3, "n": 2, "seed": 11, "echo": True,
+            "logprobs": 1, "stop": ["zz"], "output_residual_stream": [-1, 0, 2]}
+    r = fake_client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    requests = last_call(fake_backend)
+    assert len(requests) == 2 and requests[0].request_id == requests[1].request_id == r.headers["x-request-id"]
+    for req, prompt in zip(requests, body["prompt"]):
+        p = req.params
+        assert req.prompt_ids == fake_backend.tokenizer(prompt).input_ids
+        assert p.stop_token_ids == fake_backend.info.stop_token_ids == frozenset({2})
+        assert p.residual_layers == (0, 2)  # -1 is the last layer, 2; each once, in order
+        assert (p.n, p.seed, p.max_tokens, p.logprobs, p.echo, p.stop) == (2, 11, 3, 1, True, ["zz"])
+        assert req.text_start == len(prompt)  # the generated text follows the echoed prompt
+    for choice in r.json()["choices"]:
+        req = requests[choice["index"] // 2]
+        offsets = choice["logprobs"]["text_offset"][len(req.prompt_ids):]
+        assert choice["text"][:req.text_start] == body["prompt"][choice["index"] // 2]
+        assert all(o >= req.text_start for o in offsets) and offsets[:1] in ([], [req.text_start])
+
+
+def test_what_token_id_echo_hands_over(fake_client, fake_backend):
+    eot = fake_backend.tokenizer.convert_ids_to_tokens(0)
+    r = fake_client.post("/v1/completions", json={"model": "tiny", "prompt": [0, 0], "echo": True, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    (req,) = last_call(fake_backend)
+    assert req.text_start == 2 * len(eot) and req.params.residual_layers == ()
+
+
+def test_what_chat_and_score_hand_over(fake_client, fake_backend):
+    messages = [{"role": "user", "content": "hi"}]
+    r = fake_client.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "seed": 5, "n": 3,
+                                                       "output_residual_stream": [-2]})
+    assert r.status_code == 200, r.text
+    (req,) = last_call(fake_backend)
+    text = fake_backend.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert req.prompt_ids == fake_backend.tokenizer(text, add_special_tokens=False).input_ids
+    assert req.params.max_tokens == 256 - len(req.prompt_ids)  # no max_tokens: the rest of the context
+    assert req.params.stop_token_ids == frozenset({2}) and req.params.residual_layers == (1,)
+    assert (req.params.n, req.params.seed, req.text_start) == (3, 5, 0)
+
+    r = fake_client.post("/v1/score", json={"model": "tiny", "input": ["a b", "c"], "context": "x",
+                                            "output_residual_stream": [-3]})
+    assert r.status_code == 200, r.text
+    requests = last_call(fake_backend)
+    assert len(requests) == 2
+    for req in requests:
+        p = req.params
+        assert (p.max_tokens, p.echo, p.logprobs, p.residual_layers) == (0, True, 0, (0,))
+        assert req.prompt_ids[0] == fake_backend.info.bos_token_id  # add_bos: BOS in front
+
+
+def test_a_stream_hands_over_its_width(fake_client, fake_backend):
+    r = fake_client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2, "logprobs": 4,
+                                                  "stream": True})
+    assert r.status_code == 200
+    assert fake_backend.calls[-1].kind == "stream" and fake_backend.calls[-1].k == 4
+    assert fake_backend.streams[-1].finished and fake_backend.streams[-1].closed
+
+
+# ---- failures ------------------------------------------------------------------------------------
+
+
+def sse_events(text: str) -> list:
+    blocks = text.split("\n\n")
+    assert blocks[-1] == "" and blocks[-2] == "data: [DONE]", text[-300:]
+    return [json.loads(b[len("data: "):]) for b in blocks[:-2]]
+
+
+def nothing_held(client) -> None:
+    health = client.get("/health").json()
+    assert health["tokens_held"] == 0 and health["requests_running"] == 0, health
+
+
+BODY = {"model": "tiny", "prompt": "The sky", "max_tokens": 5, "logprobs": 1}
+
+
+def test_unavailable_backend_is_503(fake_client, fake_backend, monkeypatch):
+    monkeypatch.setattr(fake_backend, "fail_with", BackendUnavailable("the replica went away"))
+    for path, body in [("/v1/completions", BODY), ("/v1/score", {"model": "tiny", "input": "x"}),
+                       ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}]})]:
+        r = fake_client.post(path, json=body)
+        assert r.status_code == 503, r.text
+        data = r.json()
+        assert set(data) == {"error", "request_id"} and r.headers["x-request-id"] == data["request_id"]
+        assert data["error"]["type"] == "server_error" and data["error"]["code"] == "unavailable"
+        assert data["error"]["message"] == "the replica went away"
+        nothing_held(fake_client)
+    monkeypatch.setattr(fake_backend, "fail_with", BackendUnavailable())
+    err = fake_client.post("/v1/completions", json=BODY).json()["error"]
+    assert err["code"] == "unavailable" and "try again" in err["message"]
+
+
+@pytest.mark.parametrize("after", [0, 2])
+def test_unavailable_backend_while_streaming_is_an_event(fake_client, fake_backend, monkeypatch, after):
+    monkeypatch.setattr(fake_backend, "fail_with", BackendUnavailable("the replica went away"))
+    monkeypatch.setattr(fake_backend, "fail_after_steps", after)
+    for path, body in [("/v1/completions", BODY),
+                       ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                                                 "max_tokens": 5})]:
+        r = fake_client.post(path, json={**body, "stream": True})
+        assert r.status_code == 200
+        events = sse_events(r.text)
+        assert events[-1]["error"]["code"] == "unavailable" and events[-1]["error"]["type"] == "server_error"
+        assert events[-1]["request_id"] == r.headers["x-request-id"]
+        assert all("choices" in e for e in events[:-1]) and (len(events) > 1) == (after > 0)
+        assert fake_backend.streams[-1].closed and not fake_backend.streams[-1].finished
+        nothing_held(fake_client)
+
+
+def test_other_backend_errors_are_500_without_internals(fake_client, fake_backend, monkeypatch):
+    monkeypatch.setattr(fake_backend, "fail_with", RuntimeError("secret internal detail /path/to/file.py"))
+    r = fake_client.post("/v1/completions", json=BODY)
+    assert r.status_code == 500
+    err = r.json()["error"]
+    assert err["type"] == "server_error" and err["code"] == "internal_error" and "secret" not in r.text
+    monkeypatch.setattr(fake_backend, "fail_after_steps", 2)
+    events = sse_events(fake_client.post("/v1/completions", json={**BODY, "stream": True}).text)
+    assert events[-1]["error"]["code"] == "internal_error" and "secret" not in json.dumps(events)
+    assert any("choices" in e for e in events[:-1])  # some text went out before the error
+    nothing_held(fake_client)
+    monkeypatch.undo()
+    assert fake_client.post("/v1/completions", json=BODY).status_code == 200
+
+
+def test_a_failing_backend_shows_in_health(tokenizer):
+    backend = FakeBackend(tokenizer)
+    with TestClient(create_app(backend), raise_server_exceptions=False) as c:
+        backend.fail_with = BackendUnavailable("gone")
+        c.post("/v1/completions", json=BODY)
+        backend.fail_with, backend.failing = None, True
+        r = c.get("/health")
+        assert r.status_code == 503 and r.json()["status"] == "failing"
+        assert r.json()["engine_failures"] == {"steps": 0, "requests": 1}
+        assert r.json()["last_error"]["type"] == "BackendUnavailable"
+        backend.failing = False
+        assert c.get("/health").json()["status"] == "ready"
+
+
+# ---- the client goes away ------------------------------------------------------------------------
+
+
+async def call_then_leave(app, body: dict, leave_after_first_chunk: bool, wait: float = 0.0) -> list[dict]:
+    """POST /v1/completions straight through ASGI; the client disconnects after the first body chunk
+    (a stream) or after `wait` seconds. Returns the messages the app sent."""
+    raw = orjson.dumps(body)
+    sent, chunk = [], asyncio.Event()
+    asked = 0
+
+    async def receive():
+        nonlocal asked
+        asked += 1
+        if asked == 1:
+            return {"type": "http.request", "body": raw, "more_body": False}
+        if leave_after_first_chunk:
+            await chunk.wait()
+        else:
+            await asyncio.sleep(wait)
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+        if message["type"] == "http.response.body" and message.get("body"):
+            chunk.set()
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 5000), "server": ("testserver", 80),
+             "headers": [(b"host", b"testserver"), (b"content-type", b"application/json"),
+                         (b"content-length", str(len(raw)).encode())]}
+    await asyncio.wait_for(app(scope, receive, send), 10)
+    return sent
+
+
+@pytest.fixture
+def slow():
+    """A backend of its own that takes 10 ms a step, and its app."""
+    backend = FakeBackend(TinyTokenizer(), step_delay=0.01)
+    return backend, create_app(backend, Limits(), AdmissionSettings())
+
+
+def test_a_stream_whose_client_left_is_closed(slow):
+    backend, app = slow
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 200, "stream": True, "seed": 1}
+    sent = asyncio.run(call_then_leave(app, body, leave_after_first_chunk=True))
+    assert sent[0]["status"] == 200
+    (record,) = backend.streams
+    assert record.closed and not record.finished  # closed early: the requests end
+    assert 0 < sum(len(d.token_ids) for d in record.deltas) < 200
+    assert backend.stats()["in_flight"] == 0
+    admission = app.state.admission
+    assert (admission.held, admission.running) == (0, 0)
+
+
+def test_a_run_whose_client_left_is_cancelled(slow):
+    backend, app = slow
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 200, "seed": 1}
+    sent = asyncio.run(call_then_leave(app, body, leave_after_first_chunk=False, wait=0.1))
+    assert sent[0]["status"] == 499
+    assert backend.cancelled == [[backend.calls[0].requests[0].request_id]]
+    assert backend.stats()["in_flight"] == 0
+    assert (app.state.admission.held, app.state.admission.running) == (0, 0)
+
+
+def test_abort_stops_a_request(slow):
+    backend, _ = slow
+    request = GenerationRequest("req_9", [256, 104], SamplingParams(max_tokens=200, seed=1))
+
+    async def main():
+        task = asyncio.ensure_future(backend.run([request]))
+        await asyncio.sleep(0.05)
+        backend.abort("req_9")
+        with pytest.raises(RequestAborted, match="aborted"):
+            await task
+
+    asyncio.run(main())
+    assert backend.aborted == ["req_9"] and backend.stats()["in_flight"] == 0

@@ -1,0 +1,266 @@
+"""Replicas on Ray Serve (`logprobe serve --replicas 2`) against one process (the `server` fixture): the
+same answers byte for byte, one token budget for the application, a replica killed under load, /health
+and /metrics through the one address, and the SIGTERM drain. Everything listens on 127.0.0.1; each
+load loop is bounded in requests and time."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+
+pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install 'logprobe[ray]')")
+pytestmark = pytest.mark.e2e
+
+_spec = importlib.util.spec_from_file_location("logprobe_servers", Path(__file__).parents[2] / "benchmarks" / "servers.py")
+servers = importlib.util.module_from_spec(_spec)
+sys.modules["logprobe_servers"] = servers
+_spec.loader.exec_module(servers)
+
+MODEL = "smollm2-135m"
+# Two replicas with two torch threads each, as one process has: the same kernels, so the same bits.
+REPLICA_FLAGS = ["--replicas", "2", "--cpus-per-replica", "2", "--ray-cpus", "4", "--alias", "smol"]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    server = servers.start(REPLICA_FLAGS, prefix="logprobe-replicas-")
+    yield server
+    server.terminate()
+
+
+def _stable(raw: bytes) -> bytes:
+    """A response body without what differs between two answers to one request (id, created)."""
+    raw = re.sub(rb'"id":"(cmpl|chatcmpl)-[0-9a-f]+"', b'"id":""', raw)
+    return re.sub(rb'"created":\d+', b'"created":0', raw)
+
+
+BODIES = [
+    ("/v1/completions", {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 12,
+                         "temperature": 0, "logprobs": 5, "echo": True}),
+    ("/v1/completions", {"model": "smol", "prompt": ["One, two,", "Roses are"], "max_tokens": 6, "n": 2,
+                         "temperature": 0.8, "seed": 7, "logprobs": 2, "stop": ["\n"]}),
+    ("/v1/completions", {"model": MODEL, "prompt": "Hello world", "max_tokens": 0, "prompt_logprobs": -1}),
+    ("/v1/completions", {"model": MODEL, "prompt": "Hello world", "max_tokens": 1, "temperature": 0, "prompt_logprobs": -1,
+                         "vocab_encoding": "float16"}),
+    ("/v1/completions", {"model": MODEL, "prompt": "A B C", "max_tokens": 2, "temperature": 0,
+                         "output_residual_stream": {"layers": [0, -1], "dtype": "bfloat16"}}),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Say hi."}],
+                              "max_tokens": 8, "temperature": 0, "logprobs": True, "top_logprobs": 3,
+                              "prompt_logprobs": 1}),
+    ("/v1/score", {"model": MODEL, "input": ["Paris is in France.", "Paris is in Peru."], "top_logprobs": 2}),
+    ("/tokenize", {"model": MODEL, "prompt": "Hello world"}),
+]
+
+
+@pytest.mark.parametrize("path,body", BODIES, ids=[f"{p}-{i}" for i, (p, _) in enumerate(BODIES)])
+def test_the_same_bytes_as_one_process(cluster, server, path, body):
+    one = httpx.post(server + path, json=body, timeout=120)
+    many = httpx.post(cluster.base + path, json=body, timeout=120)
+    assert one.status_code == many.status_code == 200, many.text[:500]
+    assert _stable(many.content) == _stable(one.content)
+
+
+def test_streams_equal_one_process(cluster, server):
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 16, "temperature": 0, "logprobs": 3,
+            "stream": True, "stream_options": {"include_usage": True}, "n": 2}
+
+    def events(base):
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as r:
+            assert r.status_code == 200
+            return [_stable(line.encode()) for line in r.iter_lines() if line]
+
+    got = events(cluster.base)
+    assert got == events(server)
+    assert got[-1] == b"data: [DONE]" and len(got) > 10
+
+
+def test_health_and_metrics_show_every_replica(cluster):
+    for _ in range(4):  # some work for the engines' counters
+        assert httpx.post(cluster.base + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2},
+                          timeout=60).status_code == 200
+    health = httpx.get(cluster.base + "/health", timeout=10).json()
+    assert health["status"] == "ready"
+    assert health["replicas"] == {"ready": 2, "reporting": 2, "target": "2"}
+    deadline = time.time() + 10
+    while time.time() < deadline:  # replicas report once a second
+        text = httpx.get(cluster.base + "/metrics", timeout=10).text
+        counts = dict(re.findall(r'^logprobe_engine_step_seconds_count\{replica="([^"]+)"\} (\S+)$', text, re.M))
+        if len(counts) == 2 and sum(float(v) for v in counts.values()) >= 4:
+            break
+        time.sleep(0.5)
+    assert len(counts) == 2, text[-2000:]
+    assert sum(float(v) for v in counts.values()) >= 4  # a prefill and a decode step per request at least
+    assert re.search(r'^logprobe_requests_total\{path="/v1/completions",status="200"\} \d', text, re.M)
+    assert text.count("# TYPE logprobe_engine_step_seconds histogram") == 1  # one family, every replica in it
+
+
+def _replica_pids(cluster) -> set[int]:
+    pids = set()
+    for pid in cluster.session_pids():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                if b"ModelReplica" in fh.read():
+                    pids.add(pid)
+        except OSError:
+            pass
+    return pids
+
+
+async def _one(client: httpx.AsyncClient, base: str, stream: bool, expected: dict) -> str:
+    """One request of the load; its outcome: "ok", "unavailable" (503 envelope or error event) or a
+    description of anything else (a wrong answer, another status)."""
+    body = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 24, "temperature": 0, "logprobs": 1}
+    if not stream:
+        r = await client.post(base + "/v1/completions", json=body)
+        if r.status_code == 503:
+            err = r.json()["error"]
+            return "unavailable" if (err["type"], err["code"]) == ("server_error", "unavailable") else r.text
+        if r.status_code != 200:
+            return f"{r.status_code}: {r.text[:200]}"
+        choice = r.json()["choices"][0]
+        return "ok" if choice["text"] == expected["text"] else f"wrong text {choice['text']!r}"
+    text, error = "", None
+    async with client.stream("POST", base + "/v1/completions", json={**body, "stream": True}) as r:
+        if r.status_code != 200:
+            return f"stream {r.status_code}"
+        lines = [line async for line in r.aiter_lines() if line]
+    for line in lines[:-1]:
+        event = orjson.loads(line[len("data: "):])
+        if "error" in event:
+            error = event["error"]
+        else:
+            text += event["choices"][0]["text"]
+    if lines[-1] != "data: [DONE]":
+        return "stream without [DONE]"
+    if error is not None:
+        return "unavailable" if (error["type"], error["code"]) == ("server_error", "unavailable") else str(error)
+    return "ok" if text == expected["text"] else f"wrong streamed text {text!r}"
+
+
+def test_a_replica_killed_under_load(cluster, server):
+    """kill -9 one replica while 12 clients keep both busy: requests on the other replica are answered
+    correctly, those on the dead one end with 503 `unavailable` (streams with the error event), every
+    held token is given back, Serve starts a new replica, and it takes traffic."""
+    expected = httpx.post(server + "/v1/completions", json={"model": MODEL, "prompt": "The quick brown fox",
+                          "max_tokens": 24, "temperature": 0, "logprobs": 1}, timeout=60).json()["choices"][0]
+    before = _replica_pids(cluster)
+    assert len(before) == 2
+    victim = min(before)
+
+    async def load():
+        outcomes, killed_at = [], None
+        async with httpx.AsyncClient(timeout=120) as client:
+            async def worker(i):
+                for _ in range(6):  # bounded: at most 6 requests a client
+                    outcomes.append((time.monotonic(), await _one(client, cluster.base, i % 2 == 0, expected)))
+
+            tasks = [asyncio.create_task(worker(i)) for i in range(12)]
+            await asyncio.sleep(3.0)
+            os.kill(victim, signal.SIGKILL)
+            killed_at = time.monotonic()
+            await asyncio.wait_for(asyncio.gather(*tasks), 300)
+        return outcomes, killed_at
+
+    outcomes, killed_at = asyncio.run(load())
+    kinds = [o for _, o in outcomes]
+    assert set(kinds) <= {"ok", "unavailable"}, [k for k in kinds if k not in ("ok", "unavailable")][:5]
+    assert "unavailable" in kinds  # the dead replica had requests
+    assert any(o == "ok" and t > killed_at for t, o in outcomes)  # the other kept answering
+
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        health = httpx.get(cluster.base + "/health", timeout=10).json()
+        now = _replica_pids(cluster)
+        if victim not in now and len(now) == 2 and health["replicas"]["ready"] == 2:
+            break
+        time.sleep(1)
+    assert victim not in now and len(now) == 2, now
+    assert health["status"] == "ready" and health["tokens_held"] == 0 and health["requests_running"] == 0
+    (newcomer,) = now - before
+
+    async def after():  # the new replica takes traffic: steps on its pid grow
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*[_one(client, cluster.base, False, expected) for _ in range(16)])
+
+    assert asyncio.run(after()) == ["ok"] * 16
+    deadline = time.time() + 15
+    while time.time() < deadline:
+        text = httpx.get(cluster.base + "/metrics", timeout=10).text
+        if len(set(re.findall(r'^logprobe_engine_step_seconds_count\{replica="([^"]+)"\} [1-9]', text, re.M))) >= 2:
+            break
+        time.sleep(1)
+    health = httpx.get(cluster.base + "/health", timeout=10).json()
+    stats_pids = newcomer  # noqa: F841 (the newcomer is one of the two reporting replicas below)
+    assert health["replicas"]["reporting"] == 2
+    busy = re.findall(r'^logprobe_engine_step_seconds_count\{replica="([^"]+)"\} ([0-9.]+)$', text, re.M)
+    assert sum(1 for _, v in busy if float(v) > 0) == 2, busy
+
+
+def _budget_statuses(base: str) -> list[tuple[int, str | None, str | None]]:
+    """Seven /v1/score requests of one key, one after another: (status, x-ratelimit-limit-tokens, code)."""
+    text = " ".join(["word"] * 190)
+    out = []
+    for _ in range(7):
+        r = httpx.post(base + "/v1/score", json={"model": MODEL, "input": text}, timeout=60,
+                       headers={"authorization": "Bearer budget-key"})
+        code = r.json()["error"]["code"] if r.status_code != 200 else None
+        out.append((r.status_code, r.headers.get("x-ratelimit-limit-tokens"), code,
+                    r.headers.get("retry-after") is not None))
+    return out
+
+
+def test_one_token_budget_for_the_application():
+    """--tokens-per-minute 1000: each score request takes ~191 tokens for good (prompt tokens are used);
+    five fit, the sixth would wait longer than --queue-timeout: 429 with Retry-After, exactly as one
+    process answers the same sequence, though the requests are spread over two replicas."""
+    flags = ["--tokens-per-minute", "1000", "--queue-timeout", "1", "--api-key", "budget-key"]
+    one = servers.start(flags, prefix="logprobe-budget-")
+    try:
+        expected = _budget_statuses(one.base)
+    finally:
+        one.terminate()
+    many = servers.start(REPLICA_FLAGS + flags, prefix="logprobe-budget-replicas-")
+    try:
+        got = _budget_statuses(many.base)
+    finally:
+        many.terminate()
+    assert expected == [(200, "1000", None, False)] * 5 + [(429, "1000", "rate_limit_exceeded", True)] * 2
+    assert got == expected
+
+
+def test_sigterm_drains_the_application(cluster):
+    """Last (it stops the module's cluster): a running stream finishes, a new request gets the 503
+    envelope, the command exits 0 and leaves no Ray process behind."""
+    body = {"model": MODEL, "prompt": "Count: 1, 2,", "max_tokens": 48, "temperature": 0, "stream": True}
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as client:
+            async with client.stream("POST", cluster.base + "/v1/completions", json=body) as r:
+                lines = r.aiter_lines()
+                first = await anext(lines)
+                cluster.proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(1.5)
+                refused = await client.post(cluster.base + "/v1/completions",
+                                            json={"model": MODEL, "prompt": "x", "max_tokens": 1})
+                rest = [line async for line in lines if line]
+        return first, rest, refused
+
+    first, rest, refused = asyncio.run(main())
+    assert first.startswith("data: ")
+    assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in rest[-2]
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "unavailable"
+    assert cluster.proc.wait(timeout=60) == 0
+    deadline = time.time() + 15
+    while cluster.session_pids() and time.time() < deadline:
+        time.sleep(0.5)
+    assert cluster.session_pids() == []

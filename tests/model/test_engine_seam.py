@@ -1,0 +1,69 @@
+"""The engine's side of the backend seam: abort, and streams that equal the answer without streaming."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from logprobe.backend import GenerationRequest, RequestAborted, SamplingParams
+from logprobe.engine.engine import Engine
+from logprobe.engine.request import SequenceGroup
+from logprobe.engine.streaming import Releaser
+
+
+def test_abort_ends_the_awaiting_run(tiny_engine):
+    """`abort` by request id: the awaiting run raises RequestAborted instead of waiting forever, and the
+    engine is left with nothing in flight and serves the next request."""
+    request = GenerationRequest("req_abort", [1, 5, 6], SamplingParams(max_tokens=200, temperature=0.0))
+
+    async def main():
+        task = asyncio.ensure_future(tiny_engine.run([request]))
+        await asyncio.sleep(0.05)
+        tiny_engine.abort("req_abort")
+        with pytest.raises(RequestAborted):
+            await asyncio.wait_for(task, 10)
+        (out,) = await tiny_engine.run([GenerationRequest("after", [1, 5, 6], SamplingParams(max_tokens=3,
+                                                                                            temperature=0.0))])
+        return out
+
+    out = asyncio.run(main())
+    assert len(out.choices[0].token_ids) == 3
+    assert tiny_engine.stats()["in_flight"] == 0
+
+
+def _feed(engine: Engine, tokens: list[int], stop: list[str]):
+    """Run the engine's own stop rule and Releaser over a fixed token sequence; (streamed ids, kept ids)."""
+    params = SamplingParams(max_tokens=len(tokens) + 5, stop=stop)
+    group = SequenceGroup("t", [1], params, engine.table)
+    seq = group.sequences[0]
+    releaser = Releaser(seq, group, 0, max((len(s) for s in stop), default=1) - 1, bool(stop))
+    streamed = []
+    for token in tokens:
+        seq.token_ids.append(token)
+        seq.logprobs.append(0.0)
+        engine._check_stop(seq, group)
+        delta = releaser.release(0)
+        if delta is not None:
+            streamed += delta.token_ids.tolist()
+        if seq.is_finished:
+            break
+    return streamed, seq.token_ids[:seq.num_kept_tokens]
+
+
+def test_an_empty_token_where_a_stop_string_begins_is_not_streamed(tiny_engine, tokenizer):
+    """A token without text (here the end-of-text special token) right where a stop string later begins
+    is cut from the answer, so the stream must not have sent it either."""
+    hello = tokenizer("hello", add_special_tokens=False).input_ids
+    xyz = tokenizer("XYZ", add_special_tokens=False).input_ids
+    empty = 0
+    assert tiny_engine.table.text_bytes(empty) == b""
+    streamed, kept = _feed(tiny_engine, hello + [empty] + xyz, ["XYZ"])
+    assert kept == hello
+    assert streamed == kept
+    # with a stop string the empty token waits for the next one; without, nothing is held back
+    streamed, kept = _feed(tiny_engine, hello + [empty], ["Q"])
+    assert streamed == hello and kept == hello + [empty]
+    streamed, kept = _feed(tiny_engine, hello + [empty], [])
+    assert streamed == kept == hello + [empty]
