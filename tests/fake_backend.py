@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from logprobe.backend import (BackendUnavailable, RequestAborted, ChoiceOutput, Delta, FinishReason, GenerationOutput,
+from logprobe.backend import (RequestAborted, ChoiceOutput, Delta, FinishReason, GenerationOutput,
                               GenerationRequest, ModelInfo, PromptColumns, StreamEnd, finished_without_forward)
 from logprobe.tokens import TextAssembler, TokenTable
 

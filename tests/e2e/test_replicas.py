@@ -104,6 +104,17 @@ def test_health_and_metrics_show_every_replica(cluster):
     assert text.count("# TYPE logprobe_engine_step_seconds histogram") == 1  # one family, every replica in it
 
 
+def test_everything_listens_on_loopback(cluster):
+    """The local Ray's processes (GCS, raylet, agents, workers) and the Serve proxy bind 127.0.0.1 only."""
+    psutil = pytest.importorskip("psutil")
+    pids = set(cluster.session_pids())
+    listening = [c for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN and c.pid in pids]
+    assert len(listening) >= 5  # the proxy, the GCS, the raylet's ports, workers
+    assert {c.laddr.ip for c in listening} <= {"127.0.0.1", "::ffff:127.0.0.1"}, listening
+    port = int(cluster.base.rsplit(":", 1)[1])
+    assert any(c.laddr.port == port for c in listening)
+
+
 def _replica_pids(cluster) -> set[int]:
     pids = set()
     for pid in cluster.session_pids():
@@ -200,10 +211,28 @@ def test_a_replica_killed_under_load(cluster, server):
             break
         time.sleep(1)
     health = httpx.get(cluster.base + "/health", timeout=10).json()
-    stats_pids = newcomer  # noqa: F841 (the newcomer is one of the two reporting replicas below)
-    assert health["replicas"]["reporting"] == 2
+    assert health["replicas"]["reporting"] == 2 and newcomer in _replica_pids(cluster)
     busy = re.findall(r'^logprobe_engine_step_seconds_count\{replica="([^"]+)"\} ([0-9.]+)$', text, re.M)
     assert sum(1 for _, v in busy if float(v) > 0) == 2, busy
+
+
+def test_a_client_that_leaves_stops_its_work_on_the_replica(cluster):
+    """Closing a stream (and a plain request) early cancels the replica's work through Serve: the engines
+    hold nothing a moment later, long before the 2000 tokens asked for would have been generated."""
+    body = {"model": MODEL, "prompt": "Once", "max_tokens": 2000, "temperature": 0, "stream": True}
+    with httpx.stream("POST", cluster.base + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        for _ in range(5):
+            next(lines)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(cluster.base + "/v1/completions", json={**body, "stream": False}, timeout=2)
+    deadline = time.time() + 15
+    while time.time() < deadline:
+        time.sleep(1)
+        health = httpx.get(cluster.base + "/health", timeout=10).json()
+        if health["in_flight"] == 0 and health["requests_running"] == 0 and health["tokens_held"] == 0:
+            break
+    assert (health["in_flight"], health["requests_running"], health["tokens_held"]) == (0, 0, 0), health
 
 
 def _budget_statuses(base: str) -> list[tuple[int, str | None, str | None]]:

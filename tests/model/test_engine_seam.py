@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 
-import numpy as np
 import pytest
 
 from logprobe.backend import GenerationRequest, RequestAborted, SamplingParams

@@ -74,6 +74,10 @@ def _deeper_than(obj, cap: int) -> bool:
     return False
 
 
+class BackendLost(Unavailable):
+    """503 `unavailable`: the backend lost the request (its replica died); nothing is charged for it."""
+
+
 class ClientGone(Exception):
     """The client closed the connection before its answer was ready."""
 
@@ -104,7 +108,7 @@ async def run_while_connected(request: Request, backend, requests: list[Generati
     try:
         return run.result()
     except BackendUnavailable as exc:
-        raise Unavailable(str(exc) or "The model replica serving this request went away; try again.") from None
+        raise BackendLost(str(exc) or "The model replica serving this request went away; try again.") from None
 
 
 def held_tokens(requests: list[GenerationRequest]) -> int:
@@ -119,13 +123,14 @@ async def admit(request: Request, requests: list[GenerationRequest]):
     return hold
 
 
-def release(request: Request, hold, requests: list[GenerationRequest], completion: int) -> None:
+def release(request: Request, hold, requests: list[GenerationRequest], completion: int, lost: bool = False) -> None:
     """The request is over (done, failed, timed out or abandoned): give back its hold, and record its
-    usage for the access log and the metrics."""
+    usage for the access log and the metrics. The key's budget is charged the prompt tokens (x n) and
+    the tokens generated, except for a request the backend lost (its replica died): only what it sent."""
     prompt = sum(r.num_prompt_tokens for r in requests)
     request.state.usage = (prompt, completion)
-    request.app.state.admission.release(
-        hold, used=sum(r.num_prompt_tokens * r.params.n for r in requests) + completion)
+    used = completion if lost else sum(r.num_prompt_tokens * r.params.n for r in requests) + completion
+    request.app.state.admission.release(hold, used=used)
 
 
 class HeldStream(StreamingResponse):
@@ -148,23 +153,27 @@ class HeldStream(StreamingResponse):
 
 async def run_held(request: Request, backend, requests: list[GenerationRequest]):
     hold = await admit(request, requests)
-    outputs = None
+    outputs, lost = None, False
     try:
         outputs = await run_while_connected(request, backend, requests)
+    except BackendLost:
+        lost = True
+        raise
     finally:
-        release(request, hold, requests, sum(o.num_generated for o in outputs) if outputs else 0)
+        release(request, hold, requests, sum(o.num_generated for o in outputs) if outputs else 0, lost)
     return hold, outputs
 
 
 def stream_held(request: Request, backend, requests, hold, k: int, format_deltas, final_chunks) -> StreamingResponse:
-    usage = {"completion": 0}
+    usage = {"completion": 0, "lost": False}
 
-    def on_end(end, released):
+    def on_end(end, released, lost):
         usage["completion"] = sum(end.num_generated) if end is not None else released
+        usage["lost"] = lost
 
     gen = stream_sse(backend, requests, k, request.state.request_id, format_deltas, final_chunks,
                      timeout=request.app.state.settings.request_timeout or None, on_end=on_end)
-    return HeldStream(gen, lambda: release(request, hold, requests, usage["completion"]),
+    return HeldStream(gen, lambda: release(request, hold, requests, usage["completion"], usage["lost"]),
                       media_type="text/event-stream",
                       headers={"cache-control": "no-cache", "x-accel-buffering": "no", **hold.headers})
 

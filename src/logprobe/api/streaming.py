@@ -26,16 +26,17 @@ def sse(payload) -> bytes:
 async def stream_sse(backend, requests: list[GenerationRequest], k: int, request_id: str,
                      format_deltas: Callable[[list[Delta]], list[bytes]],
                      final_chunks: Callable[[StreamEnd], list[bytes]], timeout: float | None = None,
-                     on_end: Callable[[StreamEnd | None, int], None] | None = None) -> AsyncIterator[bytes]:
+                     on_end: Callable[[StreamEnd | None, int, bool], None] | None = None) -> AsyncIterator[bytes]:
     """Run requests on the backend and yield SSE bytes: formatted deltas as they come, then
     `final_chunks(end)` and `[DONE]`. A backend error becomes an error event (BackendUnavailable: 503's
     envelope). If the client goes away (this generator is closed or cancelled) or the stream runs past
     `timeout` seconds, the backend's stream is closed, which aborts the requests; a time-out ends with
-    an error event. `on_end(end or None, tokens released)` is called once, however the stream ends."""
+    an error event. `on_end(end or None, tokens released, lost)` is called once, however the stream ends
+    (`lost`: the backend lost the requests, BackendUnavailable)."""
     loop = asyncio.get_running_loop()
     deadline = None if timeout is None else loop.time() + timeout
     events = backend.stream(requests, k)
-    end, released = None, 0
+    end, released, lost = None, 0, False
     try:
         while True:
             left = None if deadline is None else max(0.0, deadline - loop.time())
@@ -57,6 +58,7 @@ async def stream_sse(backend, requests: list[GenerationRequest], k: int, request
     except APIError as exc:
         yield b"data: " + error_body(exc.message, exc.type, exc.param, exc.code, request_id) + b"\n\n"
     except BackendUnavailable as exc:
+        lost = True
         err = Unavailable(str(exc) or "The model replica serving this request went away; try again.")
         yield b"data: " + error_body(err.message, err.type, err.param, err.code, request_id) + b"\n\n"
     except Exception:
@@ -66,5 +68,5 @@ async def stream_sse(backend, requests: list[GenerationRequest], k: int, request
     finally:
         await events.aclose()
         if on_end is not None:
-            on_end(end, released)
+            on_end(end, released, lost)
     yield DONE

@@ -94,7 +94,7 @@ class ModelReplica:
         a = settings.admission
         self.admission = Admission(settings.limits.max_tokens_in_flight, 0, a.max_queue, a.queue_timeout)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self.state = ray.get_actor(STATE_ACTOR, namespace=NAMESPACE)
+        self.state = ensure_state(settings)
         self._stop = threading.Event()
         threading.Thread(target=self._report_loop, name="logprobe-report", daemon=True).start()
 
@@ -304,7 +304,7 @@ class Ingress:
 
     async def __init__(self, model_handle, settings: Settings, target: str):
         self.settings = settings
-        self.state = ray.get_actor(STATE_ACTOR, namespace=NAMESPACE)
+        self.state = ensure_state(settings)
         info, tokenizer, table = await model_handle.describe.remote()
         self.backend = RayBackend(model_handle, self.state, info, tokenizer, table, target)
         await self.backend.refresh()
@@ -343,8 +343,8 @@ def parse_replicas(value: str) -> tuple[int, int]:
     return lo, hi
 
 
-def build_application(settings: Settings):
-    """The Serve application (not yet running): ModelReplica x N behind the Ingress."""
+def deployment_options(settings: Settings) -> tuple[dict, dict]:
+    """The options of the ModelReplica and Ingress deployments that the flags decide."""
     lo, hi = parse_replicas(settings.replicas)
     actor_options = {"num_cpus": settings.cpus_per_replica}
     if settings.device.startswith("cuda"):
@@ -352,16 +352,22 @@ def build_application(settings: Settings):
     scaling = ({"num_replicas": lo} if lo == hi else
                {"autoscaling_config": {"min_replicas": lo, "max_replicas": hi, "target_ongoing_requests": 4}})
     quiet = {"log_level": "WARNING", "enable_access_log": False}
-    model = serve.deployment(ModelReplica, name="ModelReplica", ray_actor_options=actor_options, logging_config=quiet,
-                             max_ongoing_requests=settings.max_ongoing_per_replica,
-                             graceful_shutdown_timeout_s=settings.admission.drain_timeout,
-                             graceful_shutdown_wait_loop_s=0.2,
-                             # a dead replica is noticed within ~2 s; a busy one has 20 s to answer
-                             health_check_period_s=2, health_check_timeout_s=20, **scaling)
-    ingress = serve.deployment(serve.ingress()(Ingress), name="Ingress", num_replicas=1, logging_config=quiet,
-                               ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000,
-                               graceful_shutdown_timeout_s=settings.admission.drain_timeout,
-                               graceful_shutdown_wait_loop_s=0.2)
+    drain = {"graceful_shutdown_timeout_s": settings.admission.drain_timeout, "graceful_shutdown_wait_loop_s": 0.2}
+    model = {"name": "ModelReplica", "ray_actor_options": actor_options, "logging_config": quiet,
+             "max_ongoing_requests": settings.max_ongoing_per_replica,
+             # a dead replica is noticed within ~2 s; a busy one has 20 s to answer the check
+             "health_check_period_s": 2, "health_check_timeout_s": 20, **drain, **scaling}
+    ingress = {"name": "Ingress", "num_replicas": 1, "ray_actor_options": {"num_cpus": 0}, "logging_config": quiet,
+               "max_ongoing_requests": 10_000, **drain}
+    return model, ingress
+
+
+def build_application(settings: Settings):
+    """The Serve application (not yet running): ModelReplica x N behind the Ingress."""
+    lo, hi = parse_replicas(settings.replicas)
+    model_options, ingress_options = deployment_options(settings)
+    model = serve.deployment(ModelReplica, **model_options)
+    ingress = serve.deployment(serve.ingress()(Ingress), **ingress_options)
     target = str(lo) if lo == hi else f"{lo}:{hi}"
     return ingress.bind(model.bind(settings), settings, target)
 
@@ -377,14 +383,39 @@ def start_ray(settings: Settings) -> None:
              logging_level=logging.WARNING)
 
 
+def ensure_state(settings: Settings):
+    """The application's ClusterState actor, created by whichever replica asks first (detached: it
+    outlives any one replica; Ray restarts it if its process dies, with full budgets)."""
+    return ray.remote(num_cpus=0, max_restarts=-1)(ClusterState).options(
+        name=STATE_ACTOR, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+    ).remote(settings.admission.tokens_per_minute)
+
+
 def start_state(settings: Settings):
-    """The ClusterState actor (replaced if a previous application left one)."""
+    """A fresh ClusterState actor (one a previous application left is replaced)."""
     try:
         ray.kill(ray.get_actor(STATE_ACTOR, namespace=NAMESPACE))
     except ValueError:
         pass
-    return ray.remote(num_cpus=0, max_restarts=-1)(ClusterState).options(
-        name=STATE_ACTOR, namespace=NAMESPACE, lifetime="detached").remote(settings.admission.tokens_per_minute)
+    return ensure_state(settings)
+
+
+def from_args(args: dict):
+    """The application from a dict of `logprobe serve` flags (`{"model": ..., "replicas": "4",
+    "api_key": ["k1"]}`): the builder `serve run` and KubeRay's RayService call
+    (`import_path: logprobe.cluster.ray_app:from_args`). The flags mean what they mean on the command
+    line, defaults and checks included."""
+    from ..cli import build_parser, settings_from_args
+
+    argv = ["serve"]
+    for name, value in (args or {}).items():
+        flag = "--" + name.replace("_", "-")
+        for item in value if isinstance(value, list) else [value]:
+            argv += [flag, str(item)]
+    settings = settings_from_args(build_parser().parse_args(argv))
+    if not settings.replicas:
+        settings.replicas = "1"
+    return build_application(settings)
 
 
 def run(settings: Settings) -> int:

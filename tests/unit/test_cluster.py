@@ -1,0 +1,209 @@
+"""The parts of the Ray Serve application that run without a cluster: the shared token budget gives the
+same answers as one process's hold, replicas' metrics merge into one family each, --replicas parses, and
+the deployments ask Ray for what the flags say."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from logprobe.api.admission import Admission, RateLimited
+from logprobe.api.errors import InvalidRequest
+from logprobe.api.metrics import EngineMetrics
+from logprobe.cluster.state import ClusterState, SharedAdmission
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+class Local:
+    """An object's methods called as a Ray actor handle's (`handle.method.remote(...)` is awaitable)."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __getattr__(self, name):
+        method = getattr(self.obj, name)
+
+        class Remote:
+            @staticmethod
+            def remote(*args, **kwargs):
+                result = method(*args, **kwargs)
+                if asyncio.iscoroutine(result):
+                    return asyncio.ensure_future(result)
+                future = asyncio.get_running_loop().create_future()
+                future.set_result(result)
+                return future
+
+        return Remote
+
+
+async def _outcome(admission, key: str, tokens: int):
+    try:
+        hold = await admission.acquire(key, tokens)
+    except (RateLimited, InvalidRequest) as exc:
+        return None, (type(exc).__name__, exc.status, exc.code, exc.message, exc.headers)
+    return hold, ("ok", hold.tokens, hold.headers)
+
+
+def _script(admission, clock: Clock) -> list:
+    """One sequence of holds and releases, with time moving between them."""
+
+    async def main():
+        out = []
+        holds = []
+        for key, tokens, advance in [("a", 300, 0), ("a", 300, 1), ("a", 300, 1), ("a", 300, 0.5),
+                                     ("b", 300, 0), ("a", 2000, 0), ("a", 5000, 0), ("b", 600, 2)]:
+            clock.now += advance
+            hold, result = await _outcome(admission, key, tokens)
+            out.append(result)
+            if hold is not None:
+                holds.append(hold)
+        admission.release(holds[0], used=100)  # 200 unused tokens back to key a
+        clock.now += 0.25
+        await asyncio.sleep(0)  # a shared give-back is a message
+        for key, tokens in [("a", 300), ("a", 200)]:
+            hold, result = await _outcome(admission, key, tokens)
+            out.append(result)
+        return out
+
+    return asyncio.run(main())
+
+
+def test_the_shared_budget_answers_as_one_process():
+    """Same keys, tokens and times: the same admissions, the same 429s (messages, Retry-After and the
+    x-ratelimit headers) and the same over-capacity 400, from the ClusterState actor as from the hold of
+    one process."""
+    local_clock, shared_clock = Clock(), Clock()
+    local = Admission(capacity=4000, tokens_per_minute=1000, max_queue=256, queue_timeout=1.0, clock=local_clock)
+    state = Local(ClusterState(1000, clock=shared_clock))
+    shared = SharedAdmission(state, capacity=4000, tokens_per_minute=1000, queue_timeout=1.0)
+    expected = _script(local, local_clock)
+    got = _script(shared, shared_clock)
+    assert got == expected
+    kinds = [r[0] for r in expected]
+    assert kinds == ["ok", "ok", "ok", "RateLimited", "ok", "RateLimited", "InvalidRequest", "ok", "ok",
+                     "RateLimited"], expected
+    assert any("Rate limit reached for your key" in r[3] for r in expected if r[0] == "RateLimited")
+    assert any("can never run" in r[3] for r in expected if r[0] == "RateLimited")
+
+
+def test_a_short_wait_for_the_budget_is_served_in_order():
+    """A request that needs a refill of less than queue_timeout waits for it (real time), and requests of
+    one key take turns; another key does not wait behind them."""
+    state = ClusterState(6000)  # 100 tokens a second
+
+    async def main():
+        assert (await state.take("a", 5900, 1.0))["kind"] == "ok"
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        first = asyncio.ensure_future(state.take("a", 120, 1.0))  # needs ~0.2 s of refill
+        second = asyncio.ensure_future(state.take("a", 60, 1.0))  # then ~0.6 s more
+        other = await state.take("b", 6000, 1.0)
+        t_other = loop.time() - t0
+        results = await asyncio.gather(first, second)
+        return other, t_other, results, loop.time() - t0
+
+    other, t_other, results, total = asyncio.run(main())
+    assert other["kind"] == "ok" and t_other < 0.1
+    assert [r["kind"] for r in results] == ["ok", "ok"]
+    assert 0.7 < total < 1.0
+    assert (asyncio.run(state.take("a", 6000, 0.1)))["kind"] == "too_long"
+
+
+def test_a_drained_ingress_refuses_and_gives_the_budget_back():
+    state = ClusterState(1000, clock=Clock())
+    shared = SharedAdmission(Local(state), capacity=4000, tokens_per_minute=1000, queue_timeout=1.0)
+    shared.drain()
+    from logprobe.api.errors import Unavailable
+
+    with pytest.raises(Unavailable):
+        asyncio.run(shared.acquire("a", 10))
+    assert state._bucket("a").level == 1000 and shared.running == 0 and shared.held == 0
+
+
+@pytest.fixture(scope="module")
+def ray_app():
+    return pytest.importorskip("logprobe.cluster.ray_app", reason="Ray Serve is not installed")
+
+
+def _replica_text(steps: int) -> bytes:
+    registry = CollectorRegistry()
+    metrics = EngineMetrics(registry, lambda: {"in_flight": 1, "kv_cache_bytes": 2048})
+    for _ in range(steps):
+        metrics.observe_step(0.01, 3)
+    metrics.observe_failure("request")
+    return generate_latest(registry)
+
+
+def test_every_replicas_metrics_in_one_family_each(ray_app):
+    class Backend:
+        snapshot = {"r1": {"age": 0.5, "stats": {}, "metrics": _replica_text(3)},
+                    "r2": {"age": 0.2, "stats": {}, "metrics": _replica_text(5)},
+                    "gone": {"age": 30.0, "stats": {}, "metrics": _replica_text(7)}}
+
+    registry = CollectorRegistry()
+    registry.register(ray_app.ReplicaMetrics(Backend()))
+    text = generate_latest(registry).decode()
+    assert text.count("# TYPE logprobe_engine_step_seconds histogram") == 1
+    counts = dict(re.findall(r'^logprobe_engine_step_seconds_count\{replica="(\w+)"\} (\S+)$', text, re.M))
+    assert counts == {"r1": "3.0", "r2": "5.0"}  # a replica silent for 30 s is left out
+    assert 'logprobe_engine_failures_total{kind="request",replica="r2"} 1.0' in text
+    assert 'logprobe_kv_cache_bytes{replica="r1"} 2048.0' in text
+
+
+@pytest.mark.parametrize("value,expected", [("2", (2, 2)), ("1:8", (1, 8)), ("0:3", (0, 3))])
+def test_replicas_parse(ray_app, value, expected):
+    assert ray_app.parse_replicas(value) == expected
+
+
+@pytest.mark.parametrize("value", ["", "x", "3:1", "0", "1:2:3", "-1:2"])
+def test_bad_replicas_are_refused(ray_app, value):
+    with pytest.raises(ValueError, match="--replicas"):
+        ray_app.parse_replicas(value)
+
+
+def test_deployments_ask_for_what_the_flags_say(ray_app):
+    from logprobe.config import Settings
+
+    model, ingress = ray_app.deployment_options(Settings(replicas="3", cpus_per_replica=1.5))
+    assert model["num_replicas"] == 3 and model["ray_actor_options"] == {"num_cpus": 1.5}
+    assert "autoscaling_config" not in model and model["max_ongoing_requests"] == 64
+    assert ingress["ray_actor_options"] == {"num_cpus": 0} and ingress["num_replicas"] == 1
+    model, _ = ray_app.deployment_options(Settings(replicas="1:8", device="cuda", max_ongoing_per_replica=8))
+    assert model["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 1}
+    assert "num_replicas" not in model and model["max_ongoing_requests"] == 8
+    assert (model["autoscaling_config"]["min_replicas"], model["autoscaling_config"]["max_replicas"]) == (1, 8)
+    ray_app.build_application(Settings(replicas="1:8"))  # Serve accepts these options
+    ray_app.build_application(Settings(replicas="2"))
+
+
+def test_the_application_builder_reads_serve_flags(ray_app):
+    """`from_args` (serve run / KubeRay) takes the flags of `logprobe serve` with their defaults."""
+    from logprobe.cli import build_parser, settings_from_args
+
+    seen = []
+    real = ray_app.build_application
+    ray_app.build_application = lambda settings: seen.append(settings) or real(settings)
+    try:
+        ray_app.from_args({"replicas": "1:4", "cpus_per_replica": 2, "api_key": ["k1", "k2"],
+                           "tokens_per_minute": 5000, "max_n": 4})
+        ray_app.from_args({})
+    finally:
+        ray_app.build_application = real
+    full, bare = seen
+    assert (full.replicas, full.cpus_per_replica, full.api_keys) == ("1:4", 2.0, ["k1", "k2"])
+    assert full.admission.tokens_per_minute == 5000 and full.limits.max_n == 4
+    assert bare.replicas == "1"
+    defaults = settings_from_args(build_parser().parse_args(["serve"]))
+    assert bare.limits == defaults.limits and bare.admission == defaults.admission
+    with pytest.raises(SystemExit):
+        ray_app.from_args({"no_such_flag": 1})
