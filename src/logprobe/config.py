@@ -28,9 +28,19 @@ class Limits:
 
 
 @dataclass
-class Settings:
-    model: str | None = None
+class ModelSpec:
+    """One served model: where it comes from (as --model takes it) and the names it answers to besides
+    its own."""
+
+    source: str | None = None  # None: the bundled model
     aliases: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Settings:
+    model: str | None = None  # the first model (--model), kept for one-model callers
+    aliases: list[str] = field(default_factory=list)  # the first model's --alias values
+    models: list[ModelSpec] = field(default_factory=list)  # every --model with its aliases (in order)
     chat_template: str | None = None
     dtype: str = "float32"
     device: str = "cpu"
@@ -49,6 +59,10 @@ class Settings:
     cpus_per_replica: float = 1.0  # CPU cores Ray reserves for each replica (torch uses as many threads)
     ray_cpus: int = 0  # a local Ray's CPUs (0: this machine's)
     max_ongoing_per_replica: int = 64  # requests Serve sends one replica at once; more wait for a free one
+
+    def model_specs(self) -> list[ModelSpec]:
+        """Every model to serve: `models`, or the one of `model` and `aliases`."""
+        return list(self.models) or [ModelSpec(self.model, list(self.aliases))]
 
 
 @dataclass

@@ -236,8 +236,9 @@ def test_a_client_that_leaves_stops_its_work_on_the_replica(cluster):
 
 
 def _budget_statuses(base: str) -> list[tuple[int, str | None, str | None]]:
-    """Seven /v1/score requests of one key, one after another: (status, x-ratelimit-limit-tokens, code)."""
-    text = " ".join(["word"] * 190)
+    """Seven /v1/score requests of one key, one after another: (status, x-ratelimit-limit-tokens, code,
+    Retry-After present)."""
+    text = " ".join(["word"] * 18)
     out = []
     for _ in range(7):
         r = httpx.post(base + "/v1/score", json={"model": MODEL, "input": text}, timeout=60,
@@ -249,10 +250,11 @@ def _budget_statuses(base: str) -> list[tuple[int, str | None, str | None]]:
 
 
 def test_one_token_budget_for_the_application():
-    """--tokens-per-minute 1000: each score request takes ~191 tokens for good (prompt tokens are used);
-    five fit, the sixth would wait longer than --queue-timeout: 429 with Retry-After, exactly as one
-    process answers the same sequence, though the requests are spread over two replicas."""
-    flags = ["--tokens-per-minute", "1000", "--queue-timeout", "1", "--api-key", "budget-key"]
+    """--tokens-per-minute 60 (a token a second): each score request takes 19 tokens for good (prompt
+    tokens are used); three fit, the fourth would wait ~16 s, longer than --queue-timeout: 429 with
+    Retry-After, exactly as one process answers the same sequence, though the requests are spread over
+    two replicas (the refill is slow enough that how fast the requests run does not matter)."""
+    flags = ["--tokens-per-minute", "60", "--queue-timeout", "1", "--api-key", "budget-key"]
     one = servers.start(flags, prefix="logprobe-budget-")
     try:
         expected = _budget_statuses(one.base)
@@ -263,7 +265,7 @@ def test_one_token_budget_for_the_application():
         got = _budget_statuses(many.base)
     finally:
         many.terminate()
-    assert expected == [(200, "1000", None, False)] * 5 + [(429, "1000", "rate_limit_exceeded", True)] * 2
+    assert expected == [(200, "60", None, False)] * 3 + [(429, "60", "rate_limit_exceeded", True)] * 4
     assert got == expected
 
 

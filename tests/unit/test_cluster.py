@@ -138,9 +138,10 @@ def ray_app():
 def _replica_text(steps: int) -> bytes:
     registry = CollectorRegistry()
     metrics = EngineMetrics(registry, lambda: {"in_flight": 1, "kv_cache_bytes": 2048})
+    observe_step, observe_failure = metrics.observers()
     for _ in range(steps):
-        metrics.observe_step(0.01, 3)
-    metrics.observe_failure("request")
+        observe_step(0.01, 3)
+    observe_failure("request")
     return generate_latest(registry)
 
 

@@ -197,6 +197,7 @@ def create_app(backend, limits: Limits | None = None, admission: AdmissionSettin
 
     app.openapi = openapi
     app.state.backend = None
+    app.state.backends = []
     app.state.limits = limits or Limits()
     app.state.settings = admission or AdmissionSettings()
     app.state.keys = KeyRing(api_keys)
@@ -255,15 +256,24 @@ def create_app(backend, limits: Limits | None = None, admission: AdmissionSettin
     return app
 
 
+def attach_backends(app: FastAPI, backends: list) -> None:
+    """The models are loaded: serve them (a request picks one by `model`; the first is the default of
+    the paths where `model` is optional). In-process engines report their steps and failures to this
+    app's metrics as they happen (labelled by model when there are several); a backend of replicas
+    brings its own (cluster/ray_app.py)."""
+    engines = [b for b in backends if hasattr(b, "step_observer")]
+    if engines:
+        app.state.metrics.attach_engines(engines)
+    for backend in backends:
+        extra = getattr(backend, "metrics_collector", None)
+        if extra is not None:
+            app.state.metrics.registry.register(extra)
+    app.state.backends = list(backends)
+    app.state.backend = backends[0]
+
+
 def attach_backend(app: FastAPI, backend) -> None:
-    """The model is loaded: serve it. An in-process engine reports its steps and failures to this app's
-    metrics as they happen; a backend of replicas brings its own (serve/ray_app.py)."""
-    if hasattr(backend, "step_observer"):
-        app.state.metrics.attach_engine(backend)
-    app.state.backend = backend
-    extra = getattr(backend, "metrics_collector", None)
-    if extra is not None:
-        app.state.metrics.registry.register(extra)
+    attach_backends(app, [backend])
 
 
 attach_engine = attach_backend

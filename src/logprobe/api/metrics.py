@@ -15,31 +15,45 @@ class EngineMetrics:
     process they live in the app's registry; each Ray Serve replica keeps its own (cluster/ray_app.py),
     which the app's /metrics shows with a `replica` label."""
 
-    def __init__(self, registry: CollectorRegistry, stats):
+    def __init__(self, registry: CollectorRegistry, stats, models: dict | None = None):
+        """`stats`: the engine's stats function; or `models`: {model name: stats function} for several
+        engines in one process, whose metrics then carry a `model` label."""
         r = registry
-        self.step_seconds = Histogram("logprobe_engine_step_seconds", "Duration of one engine step",
+        models = models or {None: stats}
+        labels = ["model"] if None not in models else []
+        self.step_seconds = Histogram("logprobe_engine_step_seconds", "Duration of one engine step", labels,
                                       buckets=STEP, registry=r)
-        self.batch_rows = Histogram("logprobe_engine_batch_rows", "Sequences (rows) in one engine step",
+        self.batch_rows = Histogram("logprobe_engine_batch_rows", "Sequences (rows) in one engine step", labels,
                                     buckets=BATCH, registry=r)
-        self.kv_cache_bytes = Gauge("logprobe_kv_cache_bytes", "Bytes allocated to the batched KV cache",
+        self.kv_cache_bytes = Gauge("logprobe_kv_cache_bytes", "Bytes allocated to the batched KV cache", labels,
                                     registry=r)
         self.engine_failures = Counter("logprobe_engine_failures", "Engine failures: 'step' (a shared pass failed; "
                                        "its requests failed and shared state was rebuilt) or 'request' (one "
-                                       "request's own work failed)", ["kind"], registry=r)
-        for kind in ("step", "request"):
-            self.engine_failures.labels(kind)
-        self.engine_in_flight = Gauge("logprobe_engine_sequence_groups", "Sequence groups in the engine",
+                                       "request's own work failed)", ["kind", *labels], registry=r)
+        self.engine_in_flight = Gauge("logprobe_engine_sequence_groups", "Sequence groups in the engine", labels,
                                       registry=r)
-        self.engine_in_flight.set_function(lambda: stats()["in_flight"])
-        self.kv_cache_bytes.set_function(lambda: stats()["kv_cache_bytes"])
+        self._children = {}
+        for name, model_stats in models.items():
+            pick = (lambda metric: metric.labels(name)) if labels else (lambda metric: metric)
+            for kind in ("step", "request"):
+                self.engine_failures.labels(kind, *([name] if labels else []))
+            pick(self.engine_in_flight).set_function(lambda f=model_stats: f()["in_flight"])
+            pick(self.kv_cache_bytes).set_function(lambda f=model_stats: f()["kv_cache_bytes"])
+            self._children[name] = (pick(self.step_seconds), pick(self.batch_rows), labels and [name] or [])
 
-    def observe_failure(self, kind: str) -> None:
-        self.engine_failures.labels(kind).inc()
+    def observers(self, model=None):
+        """(observe_step, observe_failure) for one engine (`model`: its name when there are several)."""
+        step_seconds, batch_rows, extra = self._children[model]
 
-    def observe_step(self, seconds: float, rows: int) -> None:
-        """Called by the engine thread after each step (prometheus_client is thread-safe)."""
-        self.step_seconds.observe(seconds)
-        self.batch_rows.observe(rows)
+        def observe_step(seconds: float, rows: int) -> None:
+            """Called by the engine thread after each step (prometheus_client is thread-safe)."""
+            step_seconds.observe(seconds)
+            batch_rows.observe(rows)
+
+        def observe_failure(kind: str) -> None:
+            self.engine_failures.labels(kind, *extra).inc()
+
+        return observe_step, observe_failure
 
 
 class Metrics:
@@ -69,11 +83,15 @@ class Metrics:
         self.tokens_held.set_function(lambda: admission.held)
         self.capacity.set_function(lambda: admission.capacity)
 
-    def attach_engine(self, engine) -> None:
-        """An in-process engine: its steps and failures are observed here as they happen."""
-        self.engine = EngineMetrics(self.registry, engine.stats)
-        engine.step_observer = self.engine.observe_step
-        engine.failure_observer = self.engine.observe_failure
+    def attach_engines(self, engines) -> None:
+        """In-process engines: their steps and failures are observed here as they happen."""
+        if len(engines) == 1:
+            self.engine = EngineMetrics(self.registry, engines[0].stats)
+            engines[0].step_observer, engines[0].failure_observer = self.engine.observers()
+            return
+        self.engine = EngineMetrics(self.registry, None, {e.info.name: e.stats for e in engines})
+        for engine in engines:
+            engine.step_observer, engine.failure_observer = self.engine.observers(engine.info.name)
 
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

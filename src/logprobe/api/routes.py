@@ -179,12 +179,13 @@ def stream_held(request: Request, backend, requests, hold, k: int, format_deltas
 
 
 def resolve_model(request: Request, name: str | None, required: bool = True):
-    """The backend serving `name` (full name or alias); 404 for any other name."""
-    backend = request.app.state.backend
+    """The backend serving `name` (full name or alias); 404 for any other name. Where `model` is optional
+    (the tokenizer paths), none means the first model."""
     if name is None and not required:
-        return backend
-    if name == backend.info.name or name in backend.info.aliases:
-        return backend
+        return request.app.state.backend
+    for backend in request.app.state.backends:
+        if name == backend.info.name or name in backend.info.aliases:
+            return backend
     raise ModelNotFound(name)
 
 
@@ -194,7 +195,7 @@ def model_card(backend, limits) -> dict:
         "id": info.name, "object": "model", "created": CREATED, "owned_by": "logprobe",
         "aliases": info.aliases, "num_layers": info.num_layers, "d_model": info.d_model,
         "vocab_size": info.vocab_size, "context_length": info.context_length, "max_model_len":
-        info.context_length, "dtype": info.dtype, "quantization": info.quantization, "bos_token": info.bos_token, "eos_token": info.eos_token,
+        info.context_length, "dtype": info.dtype, "quantization": info.quantization, "runner": info.runner, "bos_token": info.bos_token, "eos_token": info.eos_token,
         "adds_bos": info.adds_bos, "has_chat_template": info.has_chat_template,
         "limits": {**limits.as_dict(), "context_length": info.context_length},
     }
@@ -277,8 +278,9 @@ async def score(request: Request):
 
 @router.get("/v1/models")
 async def list_models(request: Request):
-    """The served model, as an OpenAI model list."""
-    return _json({"object": "list", "data": [model_card(request.app.state.backend, request.app.state.limits)]})
+    """The served models, as an OpenAI model list."""
+    return _json({"object": "list", "data": [model_card(b, request.app.state.limits)
+                                             for b in request.app.state.backends]})
 
 
 @router.get("/v1/models/{model:path}")
@@ -322,10 +324,11 @@ async def detokenize(request: Request):
 
 
 @router.get("/tokenizer_info")
-async def tokenizer_info(request: Request):
-    """What evaluation harnesses probe: special tokens, vocabulary size, context length."""
-    info = request.app.state.backend.info
-    tok = request.app.state.backend.tokenizer
+async def tokenizer_info(request: Request, model: str | None = None):
+    """What evaluation harnesses probe: special tokens, vocabulary size, context length (of the model
+    named by `?model=`, or the first one)."""
+    backend = resolve_model(request, model, required=False)
+    info, tok = backend.info, backend.tokenizer
     return _json({
         "model": info.name, "tokenizer_class": type(tok).__name__, "vocab_size": info.vocab_size,
         "bos_token": info.bos_token, "bos_token_id": info.bos_token_id, "eos_token": info.eos_token,
@@ -343,19 +346,40 @@ async def health(request: Request):
     included)."""
     state = request.app.state
     backend, admission = state.backend, state.admission
-    health = backend.stats() if backend is not None else {}
+    health = combined_stats(state.backends) if backend is not None else {}
     status = ("loading" if backend is None else "draining" if admission.draining
               else "failing" if health["failing"] else "ready")
     body = {"status": status, "requests_running": admission.running, "requests_queued": admission.queue_depth,
             "tokens_held": admission.held, "in_flight": health.get("in_flight", 0),
             "engine_steps": health.get("steps", 0)}
-    if "replicas" in health:  # a backend of several replicas (serve/ray_app.py)
+    if "replicas" in health:  # a backend of several replicas (cluster/ray_app.py)
         body["replicas"] = health["replicas"]
+    if "models" in health:  # several models in one server
+        body["models"] = health["models"]
     if backend is not None:
         body["engine_failures"] = {"steps": health["step_failures"], "requests": health["request_failures"]}
         if "last_error" in health:
             body["last_error"] = health["last_error"]
     return _json(body, 200 if status == "ready" else 503)
+
+
+def combined_stats(backends: list) -> dict:
+    """/health's numbers over the served models: sums, failing when any model's engine is failing, the
+    latest error; with several models, each one's own under `models`."""
+    each = {b.info.name: b.stats() for b in backends}
+    if len(each) == 1:
+        return next(iter(each.values()))
+    out = {key: sum(s[key] for s in each.values())
+           for key in ("in_flight", "steps", "kv_cache_bytes", "step_failures", "request_failures")}
+    out["failing"] = any(s["failing"] for s in each.values())
+    errors = [s["last_error"] for s in each.values() if "last_error" in s]
+    if errors:
+        out["last_error"] = max(errors, key=lambda e: e["at"])
+    out["models"] = {name: {"status": "failing" if s["failing"] else "ready", "in_flight": s["in_flight"],
+                            "engine_steps": s["steps"],
+                            "engine_failures": {"steps": s["step_failures"], "requests": s["request_failures"]}}
+                     for name, s in each.items()}
+    return out
 
 
 @router.get("/metrics", include_in_schema=False)

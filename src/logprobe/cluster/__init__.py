@@ -6,6 +6,8 @@ LOCAL_RAY_ENV = {
     # bind every Ray process of a local cluster to 127.0.0.1 (read when ray is imported)
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_USAGE_STATS_ENABLED": "0",
+    # logprobe's own: the replicas' inter-deployment gRPC servers on 127.0.0.1 too (ray_app.py)
+    "LOGPROBE_RAY_LOOPBACK": "1",
 }
 
 

@@ -38,6 +38,29 @@ from .state import STALE_S, ClusterState, SharedAdmission
 
 log = logging.getLogger("logprobe.cluster")
 
+
+def _replica_grpc_on_loopback() -> None:
+    """Ray Serve 2.60 starts a gRPC server in every replica for calls between deployments, bound to
+    `[::]:0` (every interface) whatever the node's address; in a local cluster (LOGPROBE_RAY_LOOPBACK,
+    set by the CLI and inherited by Ray's workers, which import this module before that server starts)
+    it is bound to 127.0.0.1 like everything else. Checked by tests/e2e/test_replicas.py."""
+    if os.environ.get("LOGPROBE_RAY_LOOPBACK") != "1":
+        return
+    from ray.serve._private import replica
+
+    bind = replica.add_port_to_grpc_server
+    if getattr(bind, "logprobe_loopback", False):
+        return
+
+    def on_loopback(server, address: str):
+        return bind(server, address.replace("[::]:", "127.0.0.1:", 1))
+
+    on_loopback.logprobe_loopback = True
+    replica.add_port_to_grpc_server = on_loopback
+
+
+_replica_grpc_on_loopback()
+
 NAMESPACE = "logprobe"
 STATE_ACTOR = "logprobe-cluster-state"
 APP_NAME = "logprobe"
@@ -89,8 +112,7 @@ class ModelReplica:
         self.engine.start()
         self.registry = CollectorRegistry()
         self.metrics = EngineMetrics(self.registry, self.engine.stats)
-        self.engine.step_observer = self.metrics.observe_step
-        self.engine.failure_observer = self.metrics.observe_failure
+        self.engine.step_observer, self.engine.failure_observer = self.metrics.observers()
         a = settings.admission
         self.admission = Admission(settings.limits.max_tokens_in_flight, 0, a.max_queue, a.queue_timeout)
         self.replica_id = serve.get_replica_context().replica_id.unique_id

@@ -61,8 +61,9 @@ def describe_model(model, tokenizer, name: str, aliases: list[str]) -> ModelInfo
 class Engine:
     def __init__(self, model, tokenizer, name: str, aliases: list[str] = (), fast: bool | None = None,
                  max_model_len: int | None = None, kv_cache_positions: int = 256):
-        """`fast`: run Llama-family models on logprobe's own batched decode path (default: wherever the
-        architecture is supported); False keeps transformers' forward with a cache per request.
+        """`fast`: run the model on logprobe's own batched decode path, the lean path (default: wherever a
+        family in engine/families/ runs it; why not is logged); False keeps transformers' forward with a
+        cache per request.
         `max_model_len`: serve a shorter context than the model's (prompt + generated tokens), as vLLM's
         option of that name. `kv_cache_positions`: positions per slot the batched KV cache starts with
         (it doubles as sequences grow, up to the context, and returns to this size when idle)."""
@@ -85,6 +86,7 @@ class Engine:
                                               kv_positions=kv_cache_positions)
                        if use_fast else ModelRunner(model))
         self.info.quantization = "int4" if grids is not None else None
+        self.info.runner = "lean" if use_fast else "transformers"
         self.scheduler = Scheduler(remaining=lambda g: g.num_prompt_tokens - self.runner.prefill_progress(g))
         self._inbox: queue.SimpleQueue[SequenceGroup | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None

@@ -1,8 +1,12 @@
-"""The lean path for Llama-family decoders (Llama, Mistral without sliding windows, Qwen2, SmolLM):
-logprobe runs the blocks itself, with the model's own weights and modules, over a slot KV cache.
+"""The lean path: logprobe runs a decoder's blocks itself, with the model's own weights and modules, over
+a slot KV cache. What differs between model families (weight layout, norms, RoPE tables, sliding
+windows, attention scale, activation) is described by a family file in families/ (Llama/Mistral/Qwen2,
+Gemma 3, Qwen 3, Phi-3); a model no family claims, or a configuration its family refuses, runs on
+transformers' forward (runner.py) instead.
 
 * Decode: every running sequence of every request in one forward pass: one new token per row, keys
-  and values written into the row's slot, attention over `[:rows, :, :longest]` with a length mask.
+  and values written into the row's slot, attention over `[:rows, :, :longest]` with a length mask
+  (and the layer's sliding window, where it has one).
 * Prefill: in chunks (a long prompt takes several engine steps, so it does not stall the decoding of
   others), into a per-group buffer that moves into slots when the prompt is done.
 * Prompt-only groups (scoring, echo): one right-padded pass, no KV cache kept.
@@ -11,29 +15,32 @@ logprobe runs the blocks itself, with the model's own weights and modules, over 
   weights (int4.py).
 
 Numbers are the same computation as transformers' (same modules, same RoPE, same masks up to padding),
-checked against a float64 forward in the tests.
+checked against a float64 forward of transformers' own implementation in the tests.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
+from .families import family_of
 from .int4 import Int4Linear
 from .kv_cache import Row, SlotCache
 from .request import SequenceGroup
 from .runner import ModelRunner
 
-SUPPORTED = {"llama", "mistral", "qwen2"}
+log = logging.getLogger("logprobe.engine")
 
 
 def supports(model) -> bool:
-    cfg = model.config
-    if cfg.model_type not in SUPPORTED or getattr(cfg, "sliding_window", None) and cfg.model_type != "llama":
-        return False
-    decoder = getattr(model, model.base_model_prefix, None)
-    layer = decoder.layers[0] if decoder is not None and len(decoder.layers) else None
-    return layer is not None and all(hasattr(layer.self_attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    """Whether a family of the lean path runs this model; if not, why is logged (it then runs on
+    transformers' forward)."""
+    family, reason = family_of(model)
+    if family is None:
+        log.info("lean path unavailable, running on transformers' forward: %s", reason)
+    return family is not None
 
 
 def packing_works(dtype, device) -> bool:
@@ -77,22 +84,6 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
 
-def rms_norm_of(module):
-    """The module's RMSNorm as one op (torch's rms_norm: float32 statistics), without a module call's
-    overhead; other norms stay modules. In float32 it gives transformers' numbers; in bfloat16 it
-    applies the weight before the one rounding instead of after it (within a bfloat16 step)."""
-    eps, weight = getattr(module, "variance_epsilon", None), getattr(module, "weight", None)
-    if not type(module).__name__.endswith("RMSNorm") or eps is None or weight is None:
-        return module
-
-    shape = (weight.shape[-1],)
-
-    def norm(x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, shape, weight, eps)
-
-    return norm
-
-
 class PrefillState:
     """A group's prompt while it is being prefilled: keys/values so far and its prompt columns."""
 
@@ -113,100 +104,93 @@ class FastRunner(ModelRunner):
 
     def __init__(self, model, int4_grids: dict | None = None, max_len: int | None = None, kv_positions: int = 256):
         super().__init__(model)
+        family, reason = family_of(model)
+        if family is None:
+            raise ValueError(f"the lean path cannot run this model: {reason}")
+        self.family = family
         cfg = self.config
         self.layers = self.decoder.layers
-        self.num_heads = cfg.num_attention_heads
-        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
-        self.scale = self.head_dim ** -0.5
+        self.num_heads, self.kv_heads, self.head_dim = family.num_heads, family.kv_heads, family.head_dim
+        self.scale = family.attention_scale()
         self.dtype = next(model.parameters()).dtype
-        self._fuse_projections()
+        max_len = max_len or int(getattr(cfg, "max_position_embeddings", 4096))
         pack = packing_works(self.dtype, self.device)
         self.int4 = int4_grids is not None
-        self.linears = []
-        for index, (layer, ((qkv_w, qkv_b), (gate_up_w, gate_up_b))) in enumerate(zip(self.layers, self.fused)):
+        with torch.no_grad():
+            blocks = family.blocks()  # fuses q/k/v and gate/up where the model keeps them apart
+        self.blocks = []
+        for index, block in enumerate(blocks):
             q4 = [None] * 4
             if int4_grids is not None:
-                g = lambda part: int4_grids[f"layers.{index}.{part}"]  # noqa: E731
-                q4 = [Int4Linear([g("self_attn.q_proj"), g("self_attn.k_proj"), g("self_attn.v_proj")]),
-                      Int4Linear([g("self_attn.o_proj")]), Int4Linear([g("mlp.gate_proj"), g("mlp.up_proj")]),
-                      Int4Linear([g("mlp.down_proj")])]
-            self.linears.append((Linear(qkv_w, qkv_b, pack, q4[0]), Linear.of(layer.self_attn.o_proj, pack, q4[1]),
-                                 Linear(gate_up_w, gate_up_b, pack, q4[2]), Linear.of(layer.mlp.down_proj, pack, q4[3])))
-        act = F.silu if getattr(cfg, "hidden_act", None) == "silu" else None
-        self.block_parts = [(rms_norm_of(layer.input_layernorm), rms_norm_of(layer.post_attention_layernorm),
-                             act or layer.mlp.act_fn) for layer in self.layers]
-        self.final_norm = rms_norm_of(self.decoder.norm)
+                try:
+                    q4 = [Int4Linear([int4_grids[f"layers.{index}.{name}"] for name in names])
+                          for names in block.int4_names]
+                except KeyError as exc:
+                    raise ValueError(f"no 4-bit grid for {exc.args[0]}") from None
+            self.blocks.append((Linear(*block.qkv, pack, q4[0]), Linear.of(block.o_proj, pack, q4[1]),
+                                Linear(*block.gate_up, pack, q4[2]), Linear.of(block.down_proj, pack, q4[3]),
+                                block.input_norm, block.pre_ff_norm, block.act, block.post_attn_norm,
+                                block.post_ff_norm, block.qk_norm, block.rope))
+        # per layer: None or its sliding window (one as long as the context masks nothing: a full layer)
+        self.windows = [b.window if b.window is not None and b.window < max_len else None for b in blocks]
+        self.window_sizes = sorted({w for w in self.windows if w is not None})
+        self.final_norm = family.final_norm()
         self.head = Linear.of(self.lm_head, pack)
         self.packed = pack
         self.kv_positions = kv_positions
         self.cache = SlotCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device,
-                               max_len=max_len or int(getattr(cfg, "max_position_embeddings", 4096)),
-                               capacity=kv_positions)
-
-    @torch.no_grad()
-    def _fuse_projections(self) -> None:
-        """One [q; k; v] and one [gate; up] weight per layer: two larger matrix products instead of five
-        small ones per token. The modules' own weights become views into the fused ones, so nothing is
-        stored twice and transformers' forward (used for batched scoring and activations) still works."""
-        self.fused = []
-        for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv = self._fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-            gate_up = self._fuse([mlp.gate_proj, mlp.up_proj])
-            self.fused.append((qkv, gate_up))
-
-    @staticmethod
-    def _fuse(modules) -> tuple[torch.Tensor, torch.Tensor | None]:
-        weight = torch.cat([m.weight for m in modules], dim=0).contiguous()
-        has_bias = [m.bias is not None for m in modules]
-        bias = None
-        if any(has_bias):
-            bias = torch.cat([m.bias if m.bias is not None else torch.zeros(m.weight.shape[0], dtype=weight.dtype,
-                              device=weight.device) for m in modules]).contiguous()
-        start = 0
-        for m in modules:
-            rows = m.weight.shape[0]
-            m.weight = torch.nn.Parameter(weight[start:start + rows], requires_grad=False)
-            if m.bias is not None:
-                m.bias = torch.nn.Parameter(bias[start:start + rows], requires_grad=False)
-            start += rows
-        return weight, bias
+                               max_len=max_len, capacity=kv_positions)
 
     # ---- one pass of the blocks ------------------------------------------------------------
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor):
-        """cos and sin [B, T, 1, d] for `positions` [B, T], the sine's first half negated: with them a
-        rotation is `x * cos + x.roll(d / 2) * sin`, the same arithmetic as transformers' rotate_half
-        (a negation is exact) in four operations instead of seven."""
-        cos, sin = self.decoder.rotary_emb(x, positions)
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> dict:
+        """For each RoPE table of the family: cos and sin [B, T, 1, d] for `positions` [B, T], the
+        sine's first half negated: with them a rotation is `x * cos + x.roll(d / 2) * sin`, the same
+        arithmetic as transformers' rotate_half (a negation is exact) in four operations instead of seven."""
         half = self.head_dim // 2
-        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-        return cos[:, :, None], sin[:, :, None]
+        tables = {}
+        for key, (cos, sin) in self.family.rope_tables(x, positions).items():
+            sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+            tables[key] = cos[:, :, None], sin[:, :, None]
+        return tables
 
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, attend, decode: bool = False) -> torch.Tensor:
         """Embed ids [B, T] at positions [B, T], run every block with `attend(layer, q, k, v)` doing the
         cache write and attention, and return the final-norm hidden states [B, T, D]. Queries and keys
-        are rotated together, in the projection's own layout, before the heads are transposed."""
-        x = self.decoder.embed_tokens(ids)
-        cos, sin = self._rope(x, positions)
+        are (normalized, where the family does, and) rotated together, in the projection's own layout,
+        before the heads are transposed."""
+        x = self.family.embed(ids)
+        ropes = self._rope(x, positions)
         b, t = ids.shape
         heads, kv_heads, d = self.num_heads, self.kv_heads, self.head_dim
         q_size, qk_size = heads * d, (heads + kv_heads) * d
         half = d // 2
         few = decode and self.int4 and b * t <= self.INT4_MAX_ROWS
-        for layer, (qkv_proj, o_proj, gate_up_proj, down_proj), (norm1, norm2, act) in zip(
-                range(len(self.layers)), self.linears, self.block_parts):
+        for layer, (qkv_proj, o_proj, gate_up_proj, down_proj, norm1, norm2, act, post_attn, post_ff, qk_norm,
+                    rope) in enumerate(self.blocks):
             qkv = qkv_proj(norm1(x), few)
             qk = qkv[..., :qk_size].view(b, t, heads + kv_heads, d)
+            if qk_norm is not None:
+                qk = qk_norm(qk)
+            cos, sin = ropes[rope]
             qk = qk * cos + qk.roll(half, dims=-1) * sin
             q = qk[:, :, :heads].transpose(1, 2)
             k = qk[:, :, heads:].transpose(1, 2)
             v = qkv[..., qk_size:].view(b, t, kv_heads, d).transpose(1, 2)
-            out = attend(layer, q, k, v)  # [B, H, T, d]
-            x = x + o_proj(out.transpose(1, 2).reshape(b, t, q_size), few)
+            out = o_proj(attend(layer, q, k, v).transpose(1, 2).reshape(b, t, q_size), few)  # attend: [B, H, T, d]
+            x = x + (out if post_attn is None else post_attn(out))
             gate, up = gate_up_proj(norm2(x), few).chunk(2, dim=-1)
-            x = x + down_proj(act(gate) * up, few)
+            out = down_proj(act(gate) * up, few)
+            x = x + (out if post_ff is None else post_ff(out))
         return self.final_norm(x)
+
+    def _bands(self, causal: torch.Tensor, first: int) -> dict:
+        """{window: mask} for a causal mask [Q, K] whose query i sits at position first + i over keys at
+        positions 0..K-1: the causal mask with keys at or before p - window dropped. `None` maps to the
+        causal mask itself (full-attention layers)."""
+        masks = {None: causal}
+        for window in self.window_sizes:
+            masks[window] = causal.triu(first - window + 1)
+        return masks
 
     def logprobs_of(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.head(hidden).float()
@@ -227,13 +211,14 @@ class FastRunner(ModelRunner):
         stop = min(total, start + max(1, budget))
         ids = state.ids[start:stop][None]
         positions = torch.arange(start, stop, device=self.device)[None]
-        causal = torch.ones(stop - start, stop, dtype=torch.bool, device=self.device).tril(start)
+        masks = self._bands(torch.ones(stop - start, stop, dtype=torch.bool, device=self.device).tril(start), start)
+        windows = self.windows
 
         def attend(layer, q, k, v):
             state.keys[layer][:, start:stop] = k[0]
             state.values[layer][:, start:stop] = v[0]
             keys, values = state.keys[layer][None, :, :stop], state.values[layer][None, :, :stop]
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=causal, scale=self.scale,
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=masks[windows[layer]], scale=self.scale,
                                                   enable_gqa=self.kv_heads != self.num_heads)
 
         hidden = self._run(ids, positions, attend)[0]  # [C, D]
@@ -256,9 +241,15 @@ class FastRunner(ModelRunner):
             ids[row, :lengths[row]] = torch.tensor(g.prompt_ids, dtype=torch.long)
         ids = ids.to(self.device)
         positions = torch.arange(longest, device=self.device)[None].expand(len(groups), -1)
+        masks = {None: None}  # full attention: is_causal
+        if self.window_sizes:
+            masks = self._bands(torch.ones(longest, longest, dtype=torch.bool, device=self.device).tril(), 0)
+            masks[None] = None
+        windows = self.windows
 
         def attend(layer, q, k, v):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+            mask = masks[windows[layer]]
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,
                                                   enable_gqa=self.kv_heads != self.num_heads)
 
         hidden = self._run(ids, positions, attend)
@@ -298,12 +289,16 @@ class FastRunner(ModelRunner):
         ids = torch.cat([state.ids[start:stop] for _, state, start, stop in parts])[None]
         positions = torch.cat([torch.arange(start, stop, device=self.device) for _, _, start, stop in parts])[None]
         num_queries, num_keys = ids.shape[1], sum(stop for *_, stop in parts)
-        mask = torch.zeros(num_queries, num_keys, dtype=torch.bool, device=self.device)
+        masks = {w: torch.zeros(num_queries, num_keys, dtype=torch.bool, device=self.device)
+                 for w in [None, *self.window_sizes]}
         q0 = k0 = 0
         for _, _, start, stop in parts:
             n = stop - start
-            mask[q0:q0 + n, k0:k0 + stop] = torch.ones(n, stop, dtype=torch.bool, device=self.device).tril(start)
+            blocks = self._bands(torch.ones(n, stop, dtype=torch.bool, device=self.device).tril(start), start)
+            for w, mask in masks.items():
+                mask[q0:q0 + n, k0:k0 + stop] = blocks[w]
             q0, k0 = q0 + n, k0 + stop
+        windows = self.windows
 
         def attend(layer, q, k, v):
             q0 = 0
@@ -313,7 +308,7 @@ class FastRunner(ModelRunner):
                 q0 += stop - start
             keys = torch.cat([state.keys[layer][:, :stop] for _, state, _, stop in parts], dim=1)[None]
             values = torch.cat([state.values[layer][:, :stop] for _, state, _, stop in parts], dim=1)[None]
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale,
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=masks[windows[layer]], scale=self.scale,
                                                   enable_gqa=self.kv_heads != self.num_heads)
 
         hidden = self._run(ids, positions, attend)[0]  # [sum of chunks, D]
@@ -369,7 +364,18 @@ class FastRunner(ModelRunner):
         lengths = torch.tensor([r.length for r in rows], device=self.device)
         slots = torch.arange(count, device=self.device)
         same = all(r.length == longest - 1 for r in rows)  # one stream, or streams in step: no mask, no scatter
-        mask = None if same else (torch.arange(longest, device=self.device)[None, :] <= lengths[:, None])[:, None, None, :]
+        columns = None if same else torch.arange(longest, device=self.device)[None, :]
+        mask = None if same else (columns <= lengths[:, None])[:, None, None, :]
+        # per window: (first key position read, mask); full-attention layers read from 0 with `mask`
+        views = {None: (0, mask)}
+        for window in self.window_sizes:
+            if longest <= window:  # no row is past the window yet
+                views[window] = (0, mask)
+            elif same:  # every row sees exactly the last `window` positions
+                views[window] = (longest - window, None)
+            else:
+                views[window] = (0, (mask & (columns > (lengths - window)[:, None])[:, None, None, :]))
+        windows = self.windows
 
         def attend(layer, q, k, v):
             if same:
@@ -378,8 +384,9 @@ class FastRunner(ModelRunner):
             else:
                 self.cache.keys[layer][slots, :, lengths] = k[:, :, 0]
                 self.cache.values[layer][slots, :, lengths] = v[:, :, 0]
-            keys = self.cache.keys[layer][:count, :, :longest]
-            values = self.cache.values[layer][:count, :, :longest]
+            first, mask = views[windows[layer]]
+            keys = self.cache.keys[layer][:count, :, first:longest]
+            values = self.cache.values[layer][:count, :, first:longest]
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale,
                                                   enable_gqa=self.kv_heads != self.num_heads)
 
