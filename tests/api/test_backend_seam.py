@@ -287,7 +287,7 @@ def test_what_completions_hand_over(fake_client, fake_backend):
     for req, prompt in zip(requests, body["prompt"]):
         p = req.params
         assert req.prompt_ids == fake_backend.tokenizer(prompt).input_ids
-        assert p.stop_token_ids == fake_backend.info.stop_token_ids == frozenset({2})
+        assert p.stop_token_ids == fake_backend.info.stop_token_ids == frozenset({fake_backend.tokenizer.eos_token_id})
         assert p.residual_layers == (0, 2)  # -1 is the last layer, 2; each once, in order
         assert (p.n, p.seed, p.max_tokens, p.logprobs, p.echo, p.stop) == (2, 11, 3, 1, True, ["zz"])
         assert req.text_start == len(prompt)  # the generated text follows the echoed prompt
@@ -315,7 +315,7 @@ def test_what_chat_and_score_hand_over(fake_client, fake_backend):
     text = fake_backend.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert req.prompt_ids == fake_backend.tokenizer(text, add_special_tokens=False).input_ids
     assert req.params.max_tokens == 256 - len(req.prompt_ids)  # no max_tokens: the rest of the context
-    assert req.params.stop_token_ids == frozenset({2}) and req.params.residual_layers == (1,)
+    assert req.params.stop_token_ids == frozenset({fake_backend.tokenizer.eos_token_id}) and req.params.residual_layers == (1,)
     assert (req.params.n, req.params.seed, req.text_start) == (3, 5, 0)
 
     r = fake_client.post("/v1/score", json={"model": "tiny", "input": ["a b", "c"], "context": "x",

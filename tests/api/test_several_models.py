@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from logprobe.api.app import attach_backends, create_app
 from logprobe.config import AdmissionSettings, Limits
-from tests.fake_backend import FakeBackend
+from fake_backend import FakeBackend
 
 
 @pytest.fixture

