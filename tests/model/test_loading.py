@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 from logprobe.engine import loader
@@ -96,3 +97,18 @@ def test_bfloat16_loads_without_a_float32_copy(smol_dir):
     # 257 MB of weights, against 770 MB with a float32 copy)
     assert bf16["grew_kb"] < bf16["weights_kb"] + f32["grew_kb"] + 64 * 1024
     assert bf16["grew_kb"] < 0.7 * (f32["weights_kb"] + bf16["weights_kb"])
+
+
+def test_int4_on_fused_projections_is_refused_clearly(monkeypatch):
+    """Phi-3 keeps qkv and gate/up fused: --quantization int4 says so instead of an AttributeError."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    model = Phi3ForCausalLM(Phi3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=2, num_key_value_heads=2, pad_token_id=0))
+    from logprobe.engine import fast_runner, int4
+
+    assert fast_runner.supports(model)
+    if not int4.available():
+        pytest.skip("no CPU int4 kernel in this torch")
+    with pytest.raises(loader.ModelLoadError, match="fused"):
+        loader._int4_grids(model, "cpu")

@@ -326,7 +326,12 @@ def _int4_grids(model, device: str) -> dict:
     if not device.startswith("cpu"):
         raise ModelLoadError("--quantization int4 runs on the CPU only (PyTorch's CPU int4 kernel)")
     if not fast_runner.supports(model):
-        raise ModelLoadError(f"--quantization int4 needs a Llama-family model; this one is {model.config.model_type!r}")
+        raise ModelLoadError("--quantization int4 needs a model on the lean path (Llama, Mistral, Qwen 2/3, "
+                             f"Gemma 3); this one is {model.config.model_type!r}")
+    layer = getattr(model, model.base_model_prefix).layers[0]
+    if not all(hasattr(part, name) for part, name in ((layer.self_attn, "q_proj"), (layer.mlp, "gate_proj"))):
+        raise ModelLoadError("--quantization int4 reads separate q/k/v and gate/up projections; this model "
+                             f"({model.config.model_type!r}) stores them fused")
     if not int4.available():
         raise ModelLoadError("--quantization int4: this build of torch has no CPU int4 kernel")
     try:
