@@ -16,7 +16,9 @@ from transformers import DynamicCache
 
 from .request import PromptColumns, SequenceGroup
 
-POSITION_CHUNK = 256  # prompt positions whose logits are materialised at once
+POSITION_CHUNK = 256  # prompt positions whose logits are materialised at once, at most
+CHUNK_ENTRIES = 256 * 49_152  # ... and at most this many logits (positions x vocabulary): 48 positions
+# for Gemma 3's 262,144 tokens, whose working memory at 256 positions measured 3.49 GB against 0.69 GB
 
 
 class CacheIgnored(RuntimeError):
@@ -132,8 +134,9 @@ class ModelRunner:
         distribution at position i predicts the prompt token at i + 1."""
         num, k = ids.shape[0], cols.top_ids.shape[1]
         last = min(first + hidden.shape[0], num - 1)  # the state at the final position predicts no prompt token
-        for start in range(first, last, POSITION_CHUNK):
-            stop = min(start + POSITION_CHUNK, last)
+        chunk = max(1, min(POSITION_CHUNK, CHUNK_ENTRIES // self.lm_head.weight.shape[0]))
+        for start in range(first, last, chunk):
+            stop = min(start + chunk, last)
             lsm = self.logprobs_of(hidden[start - first:stop - first])  # [C, V]
             target = ids[start + 1:stop + 1]
             target_lp = lsm.gather(1, target[:, None])  # [C, 1]
