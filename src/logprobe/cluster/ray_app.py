@@ -19,6 +19,7 @@ the request's tokens go back to its key's budget, and Serve starts a new replica
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
@@ -274,42 +275,44 @@ class RayBackend:
         if not held:
             self._responses.pop(request_id, None)
 
-    async def run(self, requests: list[GenerationRequest]) -> list[GenerationOutput]:
+    @contextlib.contextmanager
+    def _call(self, requests: list[GenerationRequest], response):
+        """A handle call in flight: findable by `abort`, and a replica that died under it is
+        BackendUnavailable (503 `unavailable`) rather than Ray's exception."""
         request_id = requests[0].request_id if requests else ""
-        response = self.handle.run.remote(requests)
         self._track(request_id, response)
         try:
-            result = await response
-        except asyncio.CancelledError:
-            response.cancel()  # Serve cancels the replica's task: the engine drops the requests
-            raise
+            yield
         except Exception as exc:
             if _replica_gone(exc):
                 raise BackendUnavailable(GONE.format(type(exc).__name__)) from None
             raise
         finally:
             self._untrack(request_id, response)
+
+    async def run(self, requests: list[GenerationRequest]) -> list[GenerationOutput]:
+        response = self.handle.run.remote(requests)
+        with self._call(requests, response):
+            try:
+                result = await response
+            except asyncio.CancelledError:
+                response.cancel()  # Serve cancels the replica's task: the engine drops the requests
+                raise
         if isinstance(result, Refusal):
             raise result.error()
         return result
 
     async def stream(self, requests: list[GenerationRequest], k: int):
-        request_id = requests[0].request_id if requests else ""
         response = self.handle.options(stream=True).stream.remote(requests, k)
-        self._track(request_id, response)
         finished = False
         try:
-            async for event in response:
-                if isinstance(event, Refusal):
-                    raise event.error()
-                yield event
-            finished = True
-        except Exception as exc:
-            if _replica_gone(exc):
-                raise BackendUnavailable(GONE.format(type(exc).__name__)) from None
-            raise
+            with self._call(requests, response):
+                async for event in response:
+                    if isinstance(event, Refusal):
+                        raise event.error()
+                    yield event
+                finished = True
         finally:
-            self._untrack(request_id, response)
             if not finished:
                 response.cancel()
 
