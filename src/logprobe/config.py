@@ -13,6 +13,9 @@ class Limits:
     max_logprobs: int = 100  # logprobs, prompt_logprobs k, top_logprobs
     max_vocab_positions: int = 256  # prompt_logprobs -1: prompt tokens x n, summed over prompts
     max_vocab_positions_with_residual: int = 16
+    # prompt_logprobs -1: positions x vocabulary entries; 256 positions of Llama 3's 128,256 tokens. A model's
+    # whole-vocabulary position cap is min(the two caps above, max_vocab_entries // its vocabulary).
+    max_vocab_entries: int = 256 * 128_256
     max_prompt_logprob_positions: int = 32_768  # prompt_logprobs k >= 0, or echo with logprobs
     max_residual_vectors: int = 65_536
     max_n: int = 16
@@ -25,6 +28,14 @@ class Limits:
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def vocab_positions(self, vocab_size: int, residual: bool = False) -> tuple[int, str]:
+        """(the most prompt tokens x n a `prompt_logprobs: -1` request may have on a model with this
+        vocabulary, the cap that sets it)."""
+        cap, flag = ((self.max_vocab_positions_with_residual, "max_vocab_positions_with_residual") if residual
+                     else (self.max_vocab_positions, "max_vocab_positions"))
+        by_entries = self.max_vocab_entries // max(1, vocab_size)
+        return (by_entries, "max_vocab_entries") if by_entries < cap else (cap, flag)
 
 
 @dataclass

@@ -121,3 +121,31 @@ def test_caps_are_options_and_reported(fake_backend):
         r = c.post("/v1/completions", content=b'{"model": "tiny", "prompt": "' + b"a" * 1000 + b'"}',
                    headers={"content-type": "application/json"})
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_whole_vocabulary_cap_counts_entries_for_large_vocabularies(fake_backend):
+    """positions x vocabulary (max_vocab_entries) lowers the position cap for a large vocabulary: a model
+    with 49,152 tokens and a budget of 3 x 49,152 entries takes 3 positions, with or without the residual
+    stream, and its card reports the caps in force for it."""
+    vocab = fake_backend.info.vocab_size
+    limits = Limits(max_vocab_positions=8, max_vocab_positions_with_residual=2, max_vocab_entries=3 * vocab + 7)
+    with TestClient(create_app(fake_backend, limits)) as c:
+        card = c.get("/v1/models/tiny").json()["limits"]
+        assert (card["max_vocab_positions"], card["max_vocab_entries"]) == (8, 3 * vocab + 7)
+        assert (card["vocab_positions"], card["vocab_positions_with_residual"]) == (3, 2)
+        assert status(c, {"prompt": [1, 2, 3], "prompt_logprobs": -1, "max_tokens": 0})[0] == 200
+        code, err = status(c, {"prompt": [1, 2, 3, 4], "prompt_logprobs": -1, "max_tokens": 0})
+        assert code == 400 and err["param"] == "prompt_logprobs" and err["type"] == "invalid_request_error"
+        assert "at most 3 prompt tokens x n" in err["message"] and "this request has 4" in err["message"]
+        assert "max_vocab_entries" in err["message"] and f"{vocab:,} tokens" in err["message"]
+        # the residual cap (2) is the smaller one there, and its message names it
+        code, err = status(c, {"prompt": [1, 2, 3], "prompt_logprobs": -1, "max_tokens": 0,
+                               "output_residual_stream": [0]})
+        assert code == 400 and "(max_vocab_positions_with_residual)" in err["message"]
+        # a k instead of -1 is not counted against it
+        assert status(c, {"prompt": [1, 2, 3, 4, 5], "prompt_logprobs": 2, "max_tokens": 0})[0] == 200
+    # the default budget is 256 positions of Llama 3's vocabulary: 256 for 49,152 tokens, 125 for 262,144
+    assert Limits().vocab_positions(49_152) == (256, "max_vocab_positions")
+    assert Limits().vocab_positions(128_256) == (256, "max_vocab_positions")
+    assert Limits().vocab_positions(262_144) == (125, "max_vocab_entries")
+    assert Limits().vocab_positions(262_144, residual=True) == (16, "max_vocab_positions_with_residual")

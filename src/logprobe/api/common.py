@@ -157,14 +157,15 @@ def check_request_caps(backend, prompts: list[list[int]], params: SamplingParams
                 "Please reduce the prompt or max_tokens.", param)
     positions = sum(len(ids) for ids in prompts) * params.n
     if params.prompt_logprobs == -1:
-        cap, flag = limits.max_vocab_positions, "max_vocab_positions"
-        if residual is not None:
-            cap, flag = limits.max_vocab_positions_with_residual, "max_vocab_positions_with_residual"
+        vocab = backend.info.vocab_size
+        cap, flag = limits.vocab_positions(vocab, residual is not None)
         if positions > cap:
             with_residual = " with output_residual_stream" if residual is not None else ""
+            why = (f"{flag}: {limits.max_vocab_entries:,} positions x vocabulary entries, {cap} positions of this "
+                   f"model's {vocab:,} tokens" if flag == "max_vocab_entries" else flag)
             raise InvalidRequest(
                 f"'prompt_logprobs': -1 returns the whole vocabulary at every prompt position, so it takes at "
-                f"most {cap} prompt tokens x n, summed over the prompts{with_residual} ({flag}); this request "
+                f"most {cap} prompt tokens x n, summed over the prompts{with_residual} ({why}); this request "
                 f"has {positions}. Send fewer or shorter prompts, or a number k instead of -1.",
                 "prompt_logprobs")
     if residual is not None:

@@ -197,7 +197,10 @@ def model_card(backend, limits) -> dict:
         "vocab_size": info.vocab_size, "context_length": info.context_length, "max_model_len":
         info.context_length, "dtype": info.dtype, "quantization": info.quantization, "runner": info.runner, "bos_token": info.bos_token, "eos_token": info.eos_token,
         "adds_bos": info.adds_bos, "has_chat_template": info.has_chat_template,
-        "limits": {**limits.as_dict(), "context_length": info.context_length},
+        "limits": {**limits.as_dict(), "context_length": info.context_length,
+                   # the whole-vocabulary position caps for this model's vocabulary (max_vocab_entries)
+                   "vocab_positions": limits.vocab_positions(info.vocab_size)[0],
+                   "vocab_positions_with_residual": limits.vocab_positions(info.vocab_size, True)[0]},
     }
 
 

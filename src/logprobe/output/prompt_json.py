@@ -16,6 +16,7 @@ Blocks are yielded as they are built, so the server streams the answer with memo
 from __future__ import annotations
 
 import base64
+import threading
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -79,6 +80,10 @@ def _padded_numbers(encoded: bytes, count: int) -> np.ndarray:
     return np.where(cols < lengths[:, None], buf[index], np.uint8(32))
 
 
+SKELETON_COUNT = 8  # whole-vocabulary row skeletons kept per encoder ...
+SKELETON_BYTES = 160 * 1024 * 1024  # ... and the most bytes they may hold together (one is always kept)
+
+
 class PromptLogprobsEncoder:
     """Per-model encoder of `prompt_logprobs` maps (built once per model and naming mode)."""
 
@@ -102,24 +107,42 @@ class PromptLogprobsEncoder:
         # skeleton with blank holes; a row is the skeleton with its numbers written into the holes.
         self._heads = [(b",{" if i == 0 else b",") + keys[i] for i in range(vocab)]
         self._tails = texts[:-1] + [texts[-1] + b"}"]
+        self._fixed_bytes = sum(map(len, self._heads)) + sum(map(len, self._tails))
         self._skeletons: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._lock = threading.Lock()
+
+    def skeleton_bytes(self) -> int:
+        """Memory held by the cached row skeletons and their hole indexes."""
+        return sum(a.nbytes + b.nbytes + c.nbytes for a, b, c in self._skeletons.values())
 
     def _skeleton(self, width_val: int, width_rank: int):
         """(skeleton bytes, flat index of every value hole byte, of every rank hole byte)."""
         key = (width_val, width_rank)
-        if key not in self._skeletons:
-            if len(self._skeletons) >= 8:
-                self._skeletons.pop(next(iter(self._skeletons)))
-            blank_val, blank_rank, rank_piece = b" " * width_val, b" " * width_rank, _STATIC[_RANK]
-            pieces = []
-            for head, tail in zip(self._heads, self._tails):
-                pieces += (head, blank_val, rank_piece, blank_rank, tail)
-            lengths = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=len(pieces))
-            starts = (np.cumsum(lengths) - lengths).reshape(-1, 5)
-            val_index = (starts[:, 1:2] + np.arange(width_val)).ravel()
-            rank_index = (starts[:, 3:4] + np.arange(width_rank)).ravel()
-            self._skeletons[key] = (np.frombuffer(b"".join(pieces), dtype=np.uint8), val_index, rank_index)
-        return self._skeletons[key]
+        with self._lock:  # rows are encoded on a small pool of threads
+            found = self._skeletons.pop(key, None)
+            if found is None:
+                # The least recently used go first while SKELETON_COUNT are kept or their bytes would pass
+                # SKELETON_BYTES (a 262,144-token row's skeleton with its indexes is ~73 MiB; SmolLM2's
+                # ~14). A row's widths vary only with its longest number, so a few serve most rows.
+                holes = len(self._heads) * (width_val + width_rank)
+                new_bytes = self._fixed_bytes + len(self._heads) * len(_STATIC[_RANK]) + holes * 9  # 8-byte indexes
+                while self._skeletons and (len(self._skeletons) >= SKELETON_COUNT
+                                           or self.skeleton_bytes() + new_bytes > SKELETON_BYTES):
+                    self._skeletons.pop(next(iter(self._skeletons)))
+                found = self._build_skeleton(width_val, width_rank)
+            self._skeletons[key] = found  # most recently used last
+            return found
+
+    def _build_skeleton(self, width_val: int, width_rank: int):
+        blank_val, blank_rank, rank_piece = b" " * width_val, b" " * width_rank, _STATIC[_RANK]
+        pieces = []
+        for head, tail in zip(self._heads, self._tails):
+            pieces += (head, blank_val, rank_piece, blank_rank, tail)
+        lengths = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=len(pieces))
+        starts = (np.cumsum(lengths) - lengths).reshape(-1, 5)
+        val_index = (starts[:, 1:2] + np.arange(width_val)).ravel()
+        rank_index = (starts[:, 3:4] + np.arange(width_rank)).ravel()
+        return np.frombuffer(b"".join(pieces), dtype=np.uint8), val_index, rank_index
 
     def encode_rows(self, ids: np.ndarray, lps: np.ndarray, ranks: np.ndarray, row_starts: np.ndarray,
                     first_row_opens_list: bool) -> bytes:
