@@ -363,9 +363,15 @@ def test_whole_vocabulary_json_and_float16(server, ref64):
 
 
 def test_whole_vocabulary_cap(server):
-    r = httpx.post(server + "/v1/completions", json={"model": MODEL, "prompt": [BOS] + [818] * 256,
+    """The default budget of 256 x 128,256 vocabulary entries gives this 262,144-token vocabulary 125
+    positions (SmolLM2's 49,152 tokens keep 256): the card says so and 126 are refused before any work."""
+    limits = httpx.get(server + f"/v1/models/{MODEL}").json()["limits"]
+    assert (limits["vocab_positions"], limits["max_vocab_positions"]) == (125, 256)
+    r = httpx.post(server + "/v1/completions", json={"model": MODEL, "prompt": [BOS] + [818] * 125,
                                                      "max_tokens": 0, "prompt_logprobs": -1})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "prompt_logprobs"
+    assert "at most 125 prompt tokens" in err["message"] and "262,144 tokens" in err["message"]
 
 
 # ---- past the sliding window ---------------------------------------------------------------------
