@@ -32,6 +32,7 @@ from logprobe.engine import fast_runner, int4
 from logprobe.engine.engine import Engine
 from logprobe.engine.families import family_of
 from logprobe.engine.request import SamplingParams, SequenceGroup
+from logprobe.engine.runner import ModelRunner
 
 TOL = 1e-5
 WINDOW = 12
@@ -341,6 +342,77 @@ def test_bfloat16(kind, models, tokenizer, monkeypatch):
         want = [ref[p - 1 + i][t] for i, t in enumerate(a.sequences[0].token_ids)]
         np.testing.assert_allclose(a.sequences[0].logprobs, want, atol=0.1)  # bfloat16's error
         np.testing.assert_allclose(a.prompt_columns.logprobs[1:], [ref[i - 1][ids[i]] for i in range(1, p)], atol=0.1)
+
+
+def reference_activations(reference, ids, layers):
+    """transformers' own forward in float64, read by hooks (ModelRunner.residual_stream)."""
+    return ModelRunner(reference.model).residual_stream(ids, layers)
+
+
+@pytest.mark.parametrize("kind", list(LEAN))
+def test_activations_on_the_lean_path(kind, models, tokenizer):
+    """The lean path reads the residual stream itself (entering block 0, leaving each block, before the
+    final norm), past a sliding window, as transformers' float64 forward gives it."""
+    engine, reference = engine_for(kind, models, tokenizer)
+    num_layers = engine.info.num_layers
+    ids = prompt(40)
+    got = engine.runner.residual_stream(ids, [0, 1, num_layers])
+    want = reference_activations(reference, ids, [0, 1, num_layers])
+    assert sorted(got) == [0, 1, num_layers]
+    for layer in got:
+        assert got[layer].shape == (len(ids), engine.info.d_model) and got[layer].dtype == np.float32
+        scale = float(np.abs(want[layer]).max())
+        assert note(kind, got[layer] / scale, want[layer] / scale) < 1e-5, layer
+    # the pass stops after the deepest asked layer, and asks for one layer only
+    assert sorted(engine.runner.residual_stream(ids, [1])) == [1]
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3", "phi3"])
+def test_bfloat16_keeps_each_weight_once(kind, models, tokenizer, monkeypatch):
+    """Packed for oneDNN, each projection (and an untied head) is held once: transformers' copies are
+    released, with the same numbers as an engine that keeps them, and activations still read."""
+    model, reference = models(kind)
+    engine = Engine(copy.deepcopy(model).to(torch.bfloat16), tokenizer, "released")
+    if not engine.runner.packed:
+        pytest.skip("no oneDNN packing for bfloat16 on this CPU")
+    with monkeypatch.context() as m:
+        m.setattr(fast_runner.FastRunner, "release_module_weights", lambda self: None)
+        kept = Engine(copy.deepcopy(model).to(torch.bfloat16), tokenizer, "kept")
+    layers = engine.model.get_decoder().layers
+    linears = [mod for mod in layers.modules() if isinstance(mod, torch.nn.Linear)]
+    assert linears and all(mod.weight.numel() == 0 for mod in linears)
+    tied = kept.model.get_output_embeddings().weight is kept.model.get_input_embeddings().weight
+    assert engine.model.get_output_embeddings().weight.numel() == 0
+    assert engine.model.get_input_embeddings().weight.numel() > 0  # the lean path embeds with it
+    # what the engine holds: the packed projections and head, the embedding, the norms; once each
+    held = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    held += sum(lin.packed.numel() * lin.packed.element_size()
+                for block in engine.runner.blocks for lin in block[:4]) + engine.runner.head.packed.nbytes
+    weights = sum(p.numel() * p.element_size() for p in kept.model.parameters())
+    extra = engine.runner.head.packed.nbytes if tied else 0  # a tied head's packed copy
+    assert held <= weights + extra + 1024
+    blocks = sum(lin.packed.nbytes for block in kept.runner.blocks for lin in block[:4])
+    kept_held = weights + blocks + kept.runner.head.packed.nbytes
+    assert held < kept_held - 0.9 * blocks  # the blocks' own copies are gone
+    num_layers = engine.info.num_layers
+    out = {}
+    for name, eng in (("released", engine), ("kept", kept)):
+        eng.start()
+        try:
+            out[name] = run(eng, [make(eng, prompt(n), max_tokens=5, temperature=0, logprobs=3, echo=True,
+                                       residual_layers=(0, 2, num_layers)) for n in (5, 30)])
+        finally:
+            eng.stop()
+    for a, b in zip(out["released"], out["kept"]):
+        assert a.sequences[0].token_ids == b.sequences[0].token_ids
+        assert a.sequences[0].logprobs == b.sequences[0].logprobs
+        np.testing.assert_array_equal(a.prompt_columns.logprobs, b.prompt_columns.logprobs)
+        ids = a.prompt_ids + a.sequences[0].token_ids
+        want = reference_activations(reference, ids, [0, 2, num_layers])
+        for layer, got in a.sequences[0].residual.items():
+            scale = float(np.abs(want[layer]).max())
+            np.testing.assert_allclose(got / scale, want[layer] / scale, atol=0.06)  # bfloat16 over the blocks
+            np.testing.assert_array_equal(got, b.sequences[0].residual[layer])
 
 
 @pytest.mark.skipif(not int4.available(), reason="no CPU int4 kernel in this torch")

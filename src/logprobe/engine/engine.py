@@ -87,6 +87,7 @@ class Engine:
                        if use_fast else ModelRunner(model))
         self.info.quantization = "int4" if grids is not None else None
         self.info.runner = "lean" if use_fast else "transformers"
+        _trim_heap()  # hand back what loading and packing freed (the weights' released copies)
         self.scheduler = Scheduler(remaining=lambda g: g.num_prompt_tokens - self.runner.prefill_progress(g))
         self._inbox: queue.SimpleQueue[SequenceGroup | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None

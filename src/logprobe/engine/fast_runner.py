@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -29,7 +30,7 @@ from .families import family_of
 from .int4 import Int4Linear
 from .kv_cache import Row, SlotCache
 from .request import SequenceGroup
-from .runner import ModelRunner
+from .runner import ModelRunner, _Captured
 
 log = logging.getLogger("logprobe.engine")
 
@@ -137,9 +138,32 @@ class FastRunner(ModelRunner):
         self.final_norm = family.final_norm()
         self.head = Linear.of(self.lm_head, pack)
         self.packed = pack
+        if pack:
+            self.release_module_weights()
         self.kv_positions = kv_positions
         self.cache = SlotCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device,
                                max_len=max_len, capacity=kv_positions)
+
+    def release_module_weights(self) -> None:
+        """Keep each packed weight once. The packed copy is all the lean path reads, so transformers'
+        modules whose weights were packed (the blocks' projections; the head unless it is tied to the
+        embedding, which the lean path still reads) are emptied: in bfloat16 the weights would
+        otherwise be held twice (an 8B model: 16 GB more). transformers' forward of this model cannot
+        run afterwards; nothing on the lean path calls it (activations are read by `residual_stream`)."""
+        packed = [lin for block in self.blocks for lin in block[:4]] + [self.head]
+        storages = {lin.weight.untyped_storage().data_ptr(): lin.weight.untyped_storage().nbytes() for lin in packed}
+        for module in self.model.modules():
+            weight = getattr(module, "weight", None)
+            if (isinstance(module, torch.nn.Linear) and isinstance(weight, torch.Tensor) and weight.numel()
+                    and weight.untyped_storage().data_ptr() in storages):
+                module.weight = torch.nn.Parameter(weight.new_empty(0), requires_grad=False)
+        # a head tied to the embedding: the embedding stays, and the head's Linear keeps pointing at it
+        storages.pop(self.model.get_input_embeddings().weight.untyped_storage().data_ptr(), None)
+        for lin in packed:
+            if lin.weight.untyped_storage().data_ptr() in storages:
+                lin.weight = None
+        log.info("lean path: %.0f MB of transformers' weights released (kept once, packed for oneDNN)",
+                 sum(storages.values()) / 2**20)
 
     # ---- one pass of the blocks ------------------------------------------------------------
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> dict:
@@ -153,12 +177,16 @@ class FastRunner(ModelRunner):
             tables[key] = cos[:, :, None], sin[:, :, None]
         return tables
 
-    def _run(self, ids: torch.Tensor, positions: torch.Tensor, attend, decode: bool = False) -> torch.Tensor:
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor, attend, decode: bool = False,
+             capture=None) -> torch.Tensor:
         """Embed ids [B, T] at positions [B, T], run every block with `attend(layer, q, k, v)` doing the
         cache write and attention, and return the final-norm hidden states [B, T, D]. Queries and keys
         are (normalized, where the family does, and) rotated together, in the projection's own layout,
-        before the heads are transposed."""
+        before the heads are transposed. `capture(layer, x)`, when given, sees the residual stream
+        entering block 0 (layer 0) and leaving each block (layer i + 1)."""
         x = self.family.embed(ids)
+        if capture is not None:
+            capture(0, x)
         ropes = self._rope(x, positions)
         b, t = ids.shape
         heads, kv_heads, d = self.num_heads, self.kv_heads, self.head_dim
@@ -181,6 +209,8 @@ class FastRunner(ModelRunner):
             gate, up = gate_up_proj(norm2(x), few).chunk(2, dim=-1)
             out = down_proj(act(gate) * up, few)
             x = x + (out if post_ff is None else post_ff(out))
+            if capture is not None:
+                capture(layer + 1, x)
         return self.final_norm(x)
 
     def _bands(self, causal: torch.Tensor, first: int) -> dict:
@@ -197,6 +227,40 @@ class FastRunner(ModelRunner):
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return torch.log_softmax(logits, dim=-1)
+
+    # ---- activations ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def residual_stream(self, ids: list[int], layers: list[int]) -> dict[int, np.ndarray]:
+        """{layer: [len(ids), D] float32} from one pass of the lean blocks over `ids` without a cache
+        (the same layers as transformers' hooks give: layer 0 enters block 0, layer l leaves block l,
+        before the final norm); the pass stops after the deepest asked layer. On the lean path because
+        in bfloat16 transformers' own copies of the weights are released (`release_module_weights`)."""
+        wanted, deepest, store = set(layers), max(layers), {}
+
+        def capture(layer, x):
+            if layer in wanted:
+                store[layer] = x[0].float().cpu()
+            if layer == deepest:
+                raise _Captured
+
+        t = len(ids)
+        masks = {None: None}  # full attention: is_causal
+        if self.window_sizes:
+            masks = self._bands(torch.ones(t, t, dtype=torch.bool, device=self.device).tril(), 0)
+            masks[None] = None
+        windows = self.windows
+
+        def attend(layer, q, k, v):
+            mask = masks[windows[layer]]
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,
+                                                  enable_gqa=self.kv_heads != self.num_heads)
+
+        try:
+            self._run(torch.tensor([ids], dtype=torch.long, device=self.device),
+                      torch.arange(t, device=self.device)[None], attend, capture=capture)
+        except _Captured:
+            pass
+        return {layer: store[layer].numpy() for layer in store}
 
     # ---- prefill -----------------------------------------------------------------------------
     @torch.inference_mode()

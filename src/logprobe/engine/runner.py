@@ -68,6 +68,7 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.decoder = getattr(model, model.base_model_prefix)
         self.lm_head = model.get_output_embeddings()
+        self.vocab_size = int(self.lm_head.weight.shape[0])  # the lean path may empty the module later
         self.softcap = getattr(self.config, "final_logit_softcapping", None)
         self.cache_kw = cache_keyword(self.decoder)
 
@@ -122,7 +123,7 @@ class ModelRunner:
     def new_prompt_columns(self, num: int, k: int, keep_full: bool) -> PromptColumns:
         full = full_ranks = None
         if keep_full:  # bounded by the whole-vocabulary cap (256 positions by default)
-            vocab = self.lm_head.weight.shape[0]
+            vocab = self.vocab_size
             full = np.full((num, vocab), np.nan, dtype=np.float32)
             full_ranks = np.zeros((num, vocab), dtype=np.int32)
         return PromptColumns(np.full(num, np.nan, dtype=np.float32), np.zeros(num, dtype=np.int64),
@@ -134,7 +135,7 @@ class ModelRunner:
         distribution at position i predicts the prompt token at i + 1."""
         num, k = ids.shape[0], cols.top_ids.shape[1]
         last = min(first + hidden.shape[0], num - 1)  # the state at the final position predicts no prompt token
-        chunk = max(1, min(POSITION_CHUNK, CHUNK_ENTRIES // self.lm_head.weight.shape[0]))
+        chunk = max(1, min(POSITION_CHUNK, CHUNK_ENTRIES // self.vocab_size))
         for start in range(first, last, chunk):
             stop = min(start + chunk, last)
             lsm = self.logprobs_of(hidden[start - first:stop - first])  # [C, V]
