@@ -4,7 +4,8 @@ For each model a fresh `logprobe serve` is started; after a 4-token warm-up requ
 per-model encoder tables, as any first request would) five `prompt_logprobs: -1` requests at the model's
 whole-vocabulary cap (the card's `limits.vocab_positions`) are sent in turn, each streamed to the last
 byte and discarded. Printed: the server's resident memory idle, after the warm-up, its peak (VmHWM) over
-the five, its RSS after the first and after the fifth, and each request's seconds and bytes.
+the five, its RSS after the first and after the fifth, private memory (RssAnon) after each, and each
+request's seconds and bytes.
 
     python benchmarks/vocab_memory.py [--model smollm2-135m] [--model gemma3-270m] [--requests 5]
 """
@@ -50,11 +51,11 @@ def measure(model: str, requests: int) -> None:
         card = httpx.get(f"{base}/v1/models/{model}").json()
         cap, vocab = card["limits"]["vocab_positions"], card["vocab_size"]
         ids = httpx.post(base + "/tokenize", json={"model": model, "prompt": TEXT}).json()["tokens"][:cap]
-        idle = mem_mb(proc.pid, "VmRSS")
+        idle, idle_private = mem_mb(proc.pid, "VmRSS"), mem_mb(proc.pid, "RssAnon")
         httpx.post(base + "/v1/completions", timeout=600,
                    json={"model": model, "prompt": ids[:4], "max_tokens": 0, "prompt_logprobs": -1})
-        warm = mem_mb(proc.pid, "VmRSS")
-        after, runs = [], []
+        warm, warm_private = mem_mb(proc.pid, "VmRSS"), mem_mb(proc.pid, "RssAnon")
+        after, private, runs = [], [], []
         for _ in range(requests):
             t0, size = time.perf_counter(), 0
             with httpx.stream("POST", base + "/v1/completions", timeout=600, json={
@@ -64,6 +65,7 @@ def measure(model: str, requests: int) -> None:
                     size += len(chunk)
             runs.append((time.perf_counter() - t0, size))
             after.append(mem_mb(proc.pid, "VmRSS"))
+            private.append(mem_mb(proc.pid, "RssAnon"))
         peak = mem_mb(proc.pid, "VmHWM")
     finally:
         proc.terminate()
@@ -73,6 +75,10 @@ def measure(model: str, requests: int) -> None:
     print(f"  RSS idle {idle:,.0f} MB, after the warm-up {warm:,.0f} MB; over {requests} requests at the cap: "
           f"peak {peak:,.0f} MB, after the first {after[0]:,.0f} MB, after the last {after[-1]:,.0f} MB")
     print("  requests: " + ", ".join(f"{s:.1f} s / {n / 1e9:.2f} GB" for s, n in runs))
+    print("  RSS after each (MB): " + ", ".join(f"{m:,.0f}" for m in after))
+    print(f"  private memory (RssAnon; RSS also counts the weights' file pages a float32 model maps, touched by "
+          f"its first forward): idle {idle_private:,.0f} MB, after the warm-up {warm_private:,.0f} MB, after each: "
+          + ", ".join(f"{m:,.0f}" for m in private))
 
 
 def main() -> None:

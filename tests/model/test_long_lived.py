@@ -236,3 +236,39 @@ def test_engine_on_transformers_path_generates_long_then_more(tiny_model_factory
     finally:
         engine.stop()
     np.testing.assert_equal(engine.health["step_failures"], 0)
+
+
+def test_whole_vocabulary_rows_and_activations_are_let_go_after_the_answer(client):
+    """Answered records can outlive their response in reference cycles (anyio's and Starlette's
+    exception tracebacks hold frames that hold them) until a rare full garbage collection: the large
+    arrays in them are dropped once the body is written, so each whole-vocabulary answer does not leave
+    hundreds of MB behind. The collector is paused here, as between its full passes in a server."""
+    import gc
+
+    from logprobe.backend import ChoiceOutput, PromptColumns
+
+    def held():
+        return {id(o) for o in gc.get_objects()
+                if (isinstance(o, PromptColumns) and o.full is not None)
+                or (isinstance(o, ChoiceOutput) and o.residual is not None)}
+
+    gc.collect()
+    before = held()
+    gc.disable()
+    try:
+        bodies = [{"prompt": "one two three four", "max_tokens": 0, "prompt_logprobs": -1},
+                  {"prompt": "one two three four", "max_tokens": 0, "prompt_logprobs": -1, "vocab_encoding": "float32"},
+                  {"prompt": "one two", "max_tokens": 2, "prompt_logprobs": -1, "n": 2,
+                   "output_residual_stream": [0, 1]},
+                  {"prompt": "one two", "max_tokens": 3, "output_residual_stream": [1]}]
+        for body in bodies:
+            r = client.post("/v1/completions", json={"model": "tiny", **body})
+            assert r.status_code == 200
+            choice = r.json()["choices"][0]
+            assert choice.get("prompt_logprobs") or choice.get("residual_stream")
+        r = client.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                                      "max_tokens": 2, "prompt_logprobs": -1})
+        assert r.status_code == 200 and len(r.json()["prompt_logprobs"]) > 2
+        assert held() - before == set()
+    finally:
+        gc.enable()

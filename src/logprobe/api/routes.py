@@ -221,7 +221,7 @@ async def create_completion(request: Request):
         return stream_held(request, backend, requests, hold, req.params.logprobs or 0, format_deltas, final_chunks)
     hold, outputs = await run_held(request, backend, requests)
     payload, parts = cmpl.format_response(backend, req, requests, outputs, echoes)
-    return with_headers(await body_response(payload, parts, whole_vocab=req.params.prompt_logprobs == -1),
+    return with_headers(await body_response(payload, parts, req.params.prompt_logprobs == -1, outputs),
                         hold.headers)
 
 
@@ -230,15 +230,37 @@ def with_headers(response: Response, headers: dict) -> Response:
     return response
 
 
-async def body_response(payload: dict, parts, whole_vocab: bool) -> Response:
+async def body_response(payload: dict, parts, whole_vocab: bool, outputs) -> Response:
     """The JSON answer; prompt_logprobs parts are encoded off the event loop, and a whole-vocabulary
-    answer (hundreds of MB) is streamed block by block as it is encoded."""
+    answer (hundreds of MB) is streamed block by block as it is encoded. Once the body is written the
+    outputs' large arrays are let go at once (`release_arrays`)."""
     if whole_vocab:
-        return StreamingResponse(iter_body(payload, parts), media_type="application/json")
-    if parts:
-        body = await run_in_threadpool(lambda: b"".join(iter_body(payload, parts)))
-        return Response(body, media_type="application/json")
-    return _json(payload)
+        def body():
+            try:
+                yield from iter_body(payload, parts)
+            finally:
+                release_arrays(outputs)
+
+        return StreamingResponse(body(), media_type="application/json")
+    try:
+        if parts:
+            body = await run_in_threadpool(lambda: b"".join(iter_body(payload, parts)))
+            return Response(body, media_type="application/json")
+        return _json(payload)
+    finally:
+        release_arrays(outputs)
+
+
+def release_arrays(outputs) -> None:
+    """Drop the whole-vocabulary rows and activations of answered outputs. The records may outlive the
+    response in reference cycles that only the garbage collector's rare full passes free (anyio's and
+    Starlette's exception tracebacks hold the frames that hold them): measured on Gemma 3's 262,144-token
+    vocabulary, ~250 MB more private memory after each whole-vocabulary answer, for eight answers."""
+    for output in outputs:
+        if output.prompt_columns is not None:
+            output.prompt_columns.full = output.prompt_columns.full_ranks = None
+        for choice in output.choices:
+            choice.residual = None
 
 
 @router.post("/v1/chat/completions")
@@ -260,7 +282,7 @@ async def create_chat_completion(request: Request):
     hold, (output,) = await run_held(request, backend, [gen_request])
     parts = Parts()
     payload = chat.format_response(backend, req, gen_request, output, parts)
-    return with_headers(await body_response(payload, parts, whole_vocab=req.params.prompt_logprobs == -1),
+    return with_headers(await body_response(payload, parts, req.params.prompt_logprobs == -1, [output]),
                         hold.headers)
 
 
