@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from logprobe.backend import (RequestAborted, ChoiceOutput, Delta, FinishReason, GenerationOutput,
-                              GenerationRequest, ModelInfo, PromptColumns, StreamEnd, finished_without_forward)
+                              GenerationRequest, ModelInfo, PositionColumns, PromptColumns, StreamEnd,
+                              finished_without_forward)
 from logprobe.tokens import TextAssembler, TokenTable
 
 MODEL_SALT = 0x10C9
@@ -170,10 +171,8 @@ def top_k(row: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return idx.astype(np.int64), row[idx].astype(np.float32)
 
 
-def sample(row: np.ndarray, params, rng: np.random.Generator) -> int:
-    """engine/sampler.sample_row in numpy: greedy below temperature 1e-5, else temperature, top-k, top-p."""
-    if params.is_greedy:
-        return int(np.argmax(row))
+def filtered_scores(row: np.ndarray, params) -> np.ndarray:
+    """engine/sampler.filtered_scores in numpy: temperature, then top-k and top-p at -inf."""
     scores = (row.astype(np.float64) - float(row.max())) / params.temperature
     vocab = len(scores)
     if 0 < params.top_k < vocab:
@@ -189,8 +188,99 @@ def sample(row: np.ndarray, params, rng: np.random.Generator) -> int:
         ranked[drop] = -np.inf
         scores = np.empty_like(scores)
         scores[order] = ranked
+    return scores
+
+
+def draw(scores: np.ndarray, rng: np.random.Generator) -> int:
     cdf = np.cumsum(np.exp(scores - scores.max()))
-    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), vocab - 1))
+    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(scores) - 1))
+
+
+def sample(row: np.ndarray, params, rng: np.random.Generator) -> int:
+    """engine/sampler.sample_row in numpy: greedy below temperature 1e-5, else temperature, top-k, top-p."""
+    if params.is_greedy:
+        return int(np.argmax(row))
+    return draw(filtered_scores(row, params), rng)
+
+
+def sample_with_distribution(row: np.ndarray, params, rng: np.random.Generator) -> tuple[int, np.ndarray]:
+    """engine/sampler.sample_with_distribution: `sample`'s token and the float32 log probabilities of the
+    distribution it was drawn from (a point mass when greedy)."""
+    if params.is_greedy:
+        token = int(np.argmax(row))
+        out = np.full(len(row), -np.inf, np.float32)
+        out[token] = 0.0
+        return token, out
+    scores = filtered_scores(row, params)
+    top = scores.max()
+    return draw(scores, rng), (scores - top - np.log(np.exp(scores - top).sum())).astype(np.float32)
+
+
+def ranks_of(row: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """1 + the number of entries of `row` strictly larger than each value."""
+    ascending = np.sort(row)
+    return len(row) - np.searchsorted(ascending, values, side="right") + 1
+
+
+def entropy_of(row: np.ndarray) -> np.float32:
+    probs = np.exp(row.astype(np.float64))
+    return np.float32(-(probs * np.where(probs > 0, row, 0.0)).sum())
+
+
+def top_p_set(row: np.ndarray, p: float, cap: int):
+    """(ids [cap], log probabilities [cap], count, mass, truncated): engine/instruments.top_p_sets for one row."""
+    cap = min(cap, len(row))
+    ids, values = top_k(row, cap)
+    probs = np.exp(values.astype(np.float64))
+    total = np.cumsum(probs)
+    count = max(1, int(((total - probs) < p).sum()))
+    mass = np.float32(total[count - 1])
+    return ids, values, count, mass, bool(total[count - 1] < p)
+
+
+def position_rows(params, row: np.ndarray) -> dict:
+    """What a request's instruments record of one distribution (not the sampled token's rank)."""
+    out = {}
+    if params.logprob_token_ids:
+        asked = np.asarray(params.logprob_token_ids, dtype=np.int64)
+        out["token_id_logprobs"] = row[asked]
+        out["token_id_ranks"] = ranks_of(row, row[asked]).astype(np.int64)
+    if params.position_stats:
+        out["entropy"] = entropy_of(row)
+    if params.top_logprobs_p is not None:
+        names = ("top_p_ids", "top_p_logprobs", "top_p_counts", "top_p_mass", "top_p_truncated")
+        out.update(zip(names, top_p_set(row, params.top_logprobs_p, params.max_top_p_tokens)))
+    return out
+
+
+def stack_rows(params, rows: list[dict], vocab: int, generated: bool) -> PositionColumns:
+    """PositionColumns from per-position dicts (None for a position without a distribution); generated
+    rows also have the sampled token's rank and the asked ids' processed log probabilities."""
+    cols = PositionColumns(top_p=params.top_logprobs_p)
+    if params.logprob_token_ids:
+        cols.token_ids = np.asarray(params.logprob_token_ids, dtype=np.int64)
+    num_ids, cap = len(params.logprob_token_ids), min(params.max_top_p_tokens, vocab)
+    shapes = {"token_id_logprobs": (np.float32, num_ids, np.nan), "token_id_ranks": (np.int64, num_ids, 0),
+              "token_id_logprobs_processed": (np.float32, num_ids, np.nan), "entropy": (np.float32, None, np.nan),
+              "ranks": (np.int64, None, 0), "top_p_ids": (np.int64, cap, 0), "top_p_logprobs": (np.float32, cap, np.nan),
+              "top_p_counts": (np.int64, None, 0), "top_p_mass": (np.float32, None, np.nan),
+              "top_p_truncated": (bool, None, False)}
+    names = set(position_rows(params, np.zeros(vocab, np.float32)))
+    if generated:
+        names |= {"ranks"} if params.position_stats else set()
+        names |= {"token_id_logprobs_processed"} if params.records_processed and params.logprob_token_ids else set()
+    for name in names:
+        dtype, width, empty = shapes[name]
+        column = np.full((len(rows),) if width is None else (len(rows), width), empty, dtype=dtype)
+        for i, r in enumerate(rows):
+            if r is not None and name in r:
+                value = r[name]
+                if width is not None and name.startswith("top_p_"):
+                    column[i, :len(value)] = value
+                else:
+                    column[i] = value
+        setattr(cols, name, column)
+    return cols
 
 
 # ---- requests in flight ----------------------------------------------------------------------------
@@ -215,6 +305,9 @@ class _Seq:
         self.num_kept: int | None = None
         self.text_end: int | None = None
         self.residual: dict[int, np.ndarray] | None = None
+        self.rows: list[dict] = []  # instrument rows, one per generated token
+        self.processed_logprobs: list[float] = []  # logprobs_mode "both"
+        self.processed_top_logprobs: list[np.ndarray] = []
         self.sent_tokens = 0  # streaming: tokens and characters released so far
         self.sent_chars = 0
         self.sent_first = False
@@ -239,11 +332,18 @@ class _Seq:
             top_lps = np.zeros((stop - start, k), np.float32)
         return ids, lps, top_ids, top_lps
 
-    def output(self, k: int) -> ChoiceOutput:
+    def output(self, k: int, params, vocab: int) -> ChoiceOutput:
         ids, lps, top_ids, top_lps = self.columns(k, 0, self.kept)
         text = self.text.text if self.text_end is None else self.text.text[:self.text_end]
-        return ChoiceOutput(self.index, ids, lps, top_ids, top_lps, list(self.text.offsets[:self.kept]), text,
-                            self.finish_reason.value, len(self.token_ids), self.residual)
+        out = ChoiceOutput(self.index, ids, lps, top_ids, top_lps, list(self.text.offsets[:self.kept]), text,
+                           self.finish_reason.value, len(self.token_ids), self.residual)
+        if params.needs_position_columns:
+            out.extras = stack_rows(params, self.rows[:self.kept], vocab, True)
+        if params.logprobs_mode == "both" and params.logprobs is not None:
+            out.processed_logprobs = np.asarray(self.processed_logprobs[:self.kept], np.float32)
+            out.processed_top_logprobs = (np.stack(self.processed_top_logprobs[:self.kept])[:, :k] if self.kept and k
+                                          else np.zeros((self.kept, k), np.float32))
+        return out
 
 
 class _Group:
@@ -251,6 +351,7 @@ class _Group:
         self.request = request
         self.params = request.params
         self.seqs = [_Seq(j, request, table) for j in range(request.params.n)]
+        self.table = table
         self.prompt_columns: PromptColumns | None = None
         self.steps = 0
         self.aborted = False
@@ -261,8 +362,9 @@ class _Group:
 
     def output(self) -> GenerationOutput:
         k = self.params.logprobs or 0
+        vocab = len(self.table.strings)
         return GenerationOutput(self.request.request_id, len(self.request.prompt_ids), self.prompt_columns,
-                                [s.output(k) for s in self.seqs])
+                                [s.output(k, self.params, vocab) for s in self.seqs])
 
 
 @dataclass
@@ -360,7 +462,7 @@ class FakeBackend:
                 d, dtype=np.float32)
         return out
 
-    def _prompt_columns(self, ids: list[int], k: int, full: bool) -> PromptColumns:
+    def _prompt_columns(self, ids: list[int], k: int, full: bool, params=None) -> PromptColumns:
         num, vocab = len(ids), self.info.vocab_size
         cols = PromptColumns(np.full(num, np.nan, np.float32), np.zeros(num, np.int64), np.zeros((num, k), np.int64),
                              np.zeros((num, k), np.float32))
@@ -382,6 +484,10 @@ class FakeBackend:
             cols.top_ids[i], cols.top_logprobs[i] = tids, tvals
             if full:
                 cols.full[i], cols.full_ranks[i] = row, ranks
+        if params is not None and params.needs_position_columns:
+            rows = [None] + [position_rows(params, self._row(ids[i - 2] if i >= 2 else -1, ids[i - 1]))
+                             for i in range(1, num)]
+            cols.extras = stack_rows(params, rows, vocab, False)
         return cols
 
     # ---- stepping ----------------------------------------------------------------------------
@@ -393,7 +499,7 @@ class FakeBackend:
         group.steps += 1
         if first and params.needs_prompt_logits:
             group.prompt_columns = self._prompt_columns(list(prompt), params.num_prompt_top,
-                                                        params.prompt_logprobs == -1)
+                                                        params.prompt_logprobs == -1, params)
         rows = 0
         if first and params.max_tokens == 0:
             for seq in group.seqs:
@@ -407,13 +513,27 @@ class FakeBackend:
                     continue
                 rows += 1
                 row = self.logprobs_after(list(prompt[-2:]) + seq.token_ids[-2:])
-                token = sample(row, params, seq.rng)
+                if params.records_processed:
+                    token, processed = sample_with_distribution(row, params, seq.rng)
+                else:
+                    token, processed = sample(row, params, seq.rng), None
                 seq.token_ids.append(token)
-                seq.logprobs.append(float(row[token]))
+                numbers = processed if params.logprobs_mode == "processed" and processed is not None else row
+                seq.logprobs.append(float(numbers[token]))
                 if k:
                     ids, vals = top_k(row, k)
                     seq.top_ids.append(ids)
-                    seq.top_logprobs.append(vals)
+                    seq.top_logprobs.append(numbers[ids])
+                if params.needs_position_columns:
+                    seq.rows.append(position_rows(params, row))
+                    if params.position_stats:
+                        seq.rows[-1]["ranks"] = int((row > row[token]).sum()) + 1
+                    if processed is not None and params.logprob_token_ids:
+                        seq.rows[-1]["token_id_logprobs_processed"] = processed[list(params.logprob_token_ids)]
+                if params.logprobs_mode == "both" and processed is not None:
+                    seq.processed_logprobs.append(float(processed[token]))
+                    if k:
+                        seq.processed_top_logprobs.append(processed[ids])
                 self._check_stop(seq, group)
         if group.is_finished and params.residual_layers:
             for seq in group.seqs:

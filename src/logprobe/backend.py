@@ -36,6 +36,12 @@ class SamplingParams:
     echo: bool = False
     prompt_logprobs: int | None = None  # top-k for prompt positions (-1: whole vocabulary)
     residual_layers: tuple[int, ...] = ()  # layers (0..num_layers) whose residual stream to return
+    # The researcher's instruments (docs/api.md, section 2.3); none costs anything when not asked
+    logprob_token_ids: tuple[int, ...] = ()  # these ids' log probabilities and ranks at every position
+    position_stats: bool = False  # entropy and the actual token's rank at every position
+    top_logprobs_p: float | None = None  # the smallest set of likeliest tokens whose mass reaches p
+    max_top_p_tokens: int = 100  # ... at most this many tokens (the server's cap)
+    logprobs_mode: str = "raw"  # "raw", "processed" (the distribution the token was drawn from) or "both"
 
     @property
     def is_greedy(self) -> bool:
@@ -58,12 +64,59 @@ class SamplingParams:
 
     @property
     def needs_prompt_logits(self) -> bool:
-        return self.prompt_logprobs is not None or (self.echo and self.logprobs is not None)
+        return (self.prompt_logprobs is not None or (self.echo and self.logprobs is not None)
+                or self.needs_position_columns)
+
+    @property
+    def needs_position_columns(self) -> bool:
+        """Whether prompt and generated positions carry `PositionColumns` (asked ids, statistics)."""
+        return bool(self.logprob_token_ids) or self.position_stats or self.top_logprobs_p is not None
+
+    @property
+    def records_processed(self) -> bool:
+        """Whether generated tokens need the log probabilities of the distribution they were drawn from."""
+        return self.logprobs_mode != "raw" and self.logprobs is not None
 
 
 class FinishReason(str, enum.Enum):
     LENGTH = "length"
     STOP = "stop"
+
+
+@dataclass
+class PositionColumns:
+    """What a request asked for at each position beyond its token's log probability (docs/api.md,
+    section 2.3), one row per position: for the prompt, row i describes position i (row 0 is empty:
+    nothing predicts the first token); for a choice, one row per kept generated token. A column is
+    None when the request did not ask for it. Log probabilities and ranks are those of the raw
+    distribution; `token_id_logprobs_processed` (generated rows, `logprobs_mode` other than raw, with
+    `logprobs`) holds the asked ids' log probabilities in the distribution the token was drawn from."""
+
+    token_ids: np.ndarray | None = None  # [K] int64, the asked ids (logprob_token_ids)
+    token_id_logprobs: np.ndarray | None = None  # [N, K] float32
+    token_id_ranks: np.ndarray | None = None  # [N, K] int64
+    token_id_logprobs_processed: np.ndarray | None = None  # [N, K] float32
+    entropy: np.ndarray | None = None  # [N] float32, nats (position_stats)
+    ranks: np.ndarray | None = None  # [N] int64, the actual token's rank (generated rows; the prompt's are PromptColumns.ranks)
+    top_p: float | None = None  # top_logprobs_p
+    top_p_ids: np.ndarray | None = None  # [N, cap] int64, the likeliest first; entries past top_p_counts are padding
+    top_p_logprobs: np.ndarray | None = None  # [N, cap] float32
+    top_p_counts: np.ndarray | None = None  # [N] int64, tokens in each set
+    top_p_mass: np.ndarray | None = None  # [N] float32, their probability mass
+    top_p_truncated: np.ndarray | None = None  # [N] bool, the cap cut the set short of p
+
+    def rows(self, start: int, stop: int) -> "PositionColumns":
+        """The same columns for rows start..stop (the kept tokens of a choice)."""
+        out = PositionColumns(token_ids=self.token_ids, top_p=self.top_p)
+        for name in ROW_COLUMNS:
+            column = getattr(self, name)
+            if column is not None:
+                setattr(out, name, column[start:stop])
+        return out
+
+
+ROW_COLUMNS = ("token_id_logprobs", "token_id_ranks", "token_id_logprobs_processed", "entropy", "ranks", "top_p_ids",
+               "top_p_logprobs", "top_p_counts", "top_p_mass", "top_p_truncated")
 
 
 @dataclass
@@ -77,6 +130,7 @@ class PromptColumns:
     top_logprobs: np.ndarray  # [P, k] float32
     full: np.ndarray | None = None  # [P, V] float32, every token's log probability (prompt_logprobs -1)
     full_ranks: np.ndarray | None = None  # [P, V] int32, their ranks
+    extras: PositionColumns | None = None  # asked ids and statistics at each prompt position
 
 
 @dataclass
@@ -135,6 +189,11 @@ class ChoiceOutput:
     finish_reason: str
     num_generated: int  # every token generated, the cut ones included (usage counts them)
     residual: dict[int, np.ndarray] | None = None  # layer -> [prompt + kept tokens, d_model] float32
+    extras: PositionColumns | None = None  # asked ids and statistics at each kept token
+    # logprobs_mode "both": the same columns in the distribution each token was drawn from (with the
+    # "processed" mode, `logprobs` and `top_logprobs` above hold those numbers themselves)
+    processed_logprobs: np.ndarray | None = None  # [T] float32
+    processed_top_logprobs: np.ndarray | None = None  # [T, k] float32, of the tokens in top_ids
 
 
 @dataclass

@@ -493,6 +493,7 @@ WRONG_TYPES = {
         "stream": "yes", "logprobs": {"k": 1}, "echo": 0, "stop": 5, "seed": True, "user": 1, "top_k": 1.5,
         "prompt_logprobs": "all", "vocab_encoding": 16, "output_residual_stream": 3,
         "add_special_tokens": "false", "return_tokens_as_token_ids": 1, "stream_options": [True],
+        "logprob_token_ids": "330", "position_stats": 1, "top_logprobs_p": "0.9", "logprobs_mode": ["raw"],
     },
     "/v1/chat/completions": {
         "model": ["tiny"], "messages": {"role": "user", "content": "hi"}, "max_tokens": False,
@@ -500,6 +501,7 @@ WRONG_TYPES = {
         "stream": 1, "stop": {"a": 1}, "seed": "42", "logprobs": 1, "top_logprobs": True, "user": [],
         "top_k": "5", "prompt_logprobs": [0], "vocab_encoding": True, "output_residual_stream": "all",
         "return_tokens_as_token_ids": "true", "stream_options": "usage",
+        "logprob_token_ids": [[330]], "position_stats": "true", "top_logprobs_p": [0.5], "logprobs_mode": True,
     },
     "/v1/score": {
         "model": True, "input": 5, "context": 5, "add_bos": "true", "top_logprobs": "3",

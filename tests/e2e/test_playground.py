@@ -56,8 +56,13 @@ def test_score_view_shows_the_api_numbers(page, server, tmp_path):
     page.fill("#score-text", text)
     page.fill("#score-k", "5")
     page.check("#score-entropy")
+    sent = []
+    page.on("request", lambda r: sent.append(r.post_data or "") if r.method == "POST" else None)
     page.click("#score-run")
     page.wait_for_function("document.querySelector('#score-status').textContent.startsWith('Scored')")
+    # the entropy series comes from the server's position_stats, not from downloading the vocabulary
+    assert any('"position_stats":true' in body for body in sent)
+    assert not any("prompt_logprobs" in body for body in sent)
     api = httpx.post(server + "/v1/score", json={"model": MODEL, "input": text, "top_logprobs": 5}).json()["data"][0]
     spans = page.locator("#score-tokens .tok")
     assert spans.count() == api["num_tokens"] == 7

@@ -17,10 +17,11 @@ import numpy as np
 
 from ..config import Limits
 from ..backend import GenerationOutput, GenerationRequest, SamplingParams
+from ..output.instruments import chat_tops_with_token
 from ..output.logprobs import TokenNamer, chat_logprobs_content
 from . import validation as v
-from .common import (ResidualRequest, check_request_caps, check_text_length, parse_shared, prompt_logprobs_parts,
-                     residual_layers, residual_of)
+from .common import (ResidualRequest, check_request_caps, check_text_length, instrument_blocks, parse_shared,
+                     prompt_logprobs_parts, residual_layers, residual_of)
 from .errors import InvalidRequest
 from .streaming import sse
 
@@ -29,6 +30,7 @@ CHAT_FIELDS = {
     "stream_options", "stop", "seed", "logprobs", "top_logprobs", "user",
     # logprobe / vLLM extensions
     "top_k", "prompt_logprobs", "vocab_encoding", "output_residual_stream", "return_tokens_as_token_ids",
+    "logprob_token_ids", "position_stats", "top_logprobs_p", "logprobs_mode",
 }
 UNIMPLEMENTED_FIELDS = {
     "frequency_penalty": (None, 0),
@@ -142,25 +144,57 @@ def build_request(backend, req: ChatRequest, ids: list[int], request_id: str) ->
     return GenerationRequest(request_id, ids, params)
 
 
+def _ends_with_stop_token(backend, ids, finish_reason) -> bool:
+    return finish_reason == "stop" and len(ids) > 0 and int(ids[-1]) in backend.info.stop_token_ids
+
+
 def _content(backend, req: ChatRequest, namer, ids, lps, top_ids, top_lps, finish_reason):
-    if finish_reason == "stop" and len(ids) and int(ids[-1]) in backend.info.stop_token_ids:
+    if _ends_with_stop_token(backend, ids, finish_reason):
         ids, lps, top_ids, top_lps = ids[:-1], lps[:-1], top_ids[:-1], top_lps[:-1]
     return chat_logprobs_content(namer, backend.table.token_bytes, ids, lps, top_ids, top_lps)
 
 
+def _listed(backend, seq):
+    """The rows of a choice's instrument columns that `logprobs.content` lists (all but an ending
+    end-of-turn token)."""
+    num = len(seq.token_ids) - _ends_with_stop_token(backend, seq.token_ids, seq.finish_reason)
+    return seq.extras.rows(0, num)
+
+
+def choice_logprobs(backend, req: ChatRequest, namer, seq, processed: bool) -> dict:
+    """A choice's `logprobs` ({"content", "refusal"}), with the numbers of the distribution each token
+    was drawn from when `processed`; with `logprob_token_ids`, each top_logprobs list holds the token
+    and then the asked ids (vLLM) instead of the k likeliest."""
+    lps, top_lps = seq.logprobs, seq.top_logprobs
+    if processed and seq.processed_logprobs is not None:  # "both": the raw ones are in seq.logprobs
+        lps, top_lps = seq.processed_logprobs, seq.processed_top_logprobs
+    content = _content(backend, req, namer, seq.token_ids, lps, seq.top_ids, top_lps, seq.finish_reason)
+    if req.params.logprob_token_ids:
+        listed = _listed(backend, seq)
+        values = listed.token_id_logprobs_processed if processed else listed.token_id_logprobs
+        content = chat_tops_with_token(content, seq.token_ids, listed.token_ids, values, namer,
+                                       backend.table.token_bytes)
+    return {"content": content, "refusal": None}
+
+
 def format_response(backend, req: ChatRequest, request: GenerationRequest, out: GenerationOutput, parts) -> dict:
     namer = TokenNamer(backend.table.strings, req.return_tokens_as_token_ids)
+    params = req.params
     choices, completion_tokens = [], 0
     for seq in out.choices:
         completion_tokens += seq.num_generated
         logprobs = None
         if req.top_logprobs is not None:
-            cols = seq.token_ids, seq.logprobs, seq.top_ids, seq.top_logprobs
-            logprobs = {"content": _content(backend, req, namer, *cols, seq.finish_reason), "refusal": None}
+            logprobs = choice_logprobs(backend, req, namer, seq, params.logprobs_mode == "processed")
         choice = {"index": seq.index, "message": {"role": "assistant", "content": seq.text},
                   "logprobs": logprobs, "finish_reason": seq.finish_reason}
         if req.residual is not None:
             choice["residual_stream"] = residual_of(backend, req.residual, seq)
+        if params.needs_position_columns:
+            choice.update(instrument_blocks(params, namer, out.prompt_columns, _listed(backend, seq)))
+        if params.logprobs_mode == "both":
+            choice["processed_logprobs"] = (None if req.top_logprobs is None else
+                                            choice_logprobs(backend, req, namer, seq, True))
         choices.append(choice)
     body = {"id": "chatcmpl-" + secrets.token_hex(8), "object": "chat.completion", "created": int(time.time()),
            "model": backend.info.name, "choices": choices,
@@ -168,7 +202,7 @@ def format_response(backend, req: ChatRequest, request: GenerationRequest, out: 
                      "total_tokens": out.num_prompt_tokens + completion_tokens}}
     # Always present, null unless asked (the contract; vLLM's clients read it unconditionally)
     body["prompt_logprobs"] = None
-    if req.params.prompt_logprobs is not None:
+    if params.prompt_logprobs is not None:
         prompt_ids = np.asarray(request.prompt_ids, dtype=np.int64)
         body["prompt_logprobs"] = parts.add(prompt_logprobs_parts(backend, req, prompt_ids, out.prompt_columns))
     return body

@@ -15,7 +15,8 @@ import orjson
 
 from ..config import Limits
 from ..backend import PromptColumns, SamplingParams
-from ..output.logprobs import ranks_of_top
+from ..output.instruments import logprob_token_ids_block, position_stats_block
+from ..output.logprobs import TokenNamer, ranks_of_top
 from ..output.prompt_json import PromptLogprobsEncoder, iter_dense
 from ..output.residual import residual_payload
 from . import validation as v
@@ -72,6 +73,54 @@ def parse_residual(value) -> ResidualRequest | None:
     return ResidualRequest(list(layers), dtype, encoding)
 
 
+LOGPROBS_MODES = ("raw", "processed", "both")
+STREAMED_INSTRUMENTS = ("logprob_token_ids", "position_stats", "top_logprobs_p")
+
+
+def parse_logprob_token_ids(value, limits: Limits) -> tuple[int, ...]:
+    """`logprob_token_ids`: 1..max_logprob_token_ids token ids (repeats allowed); [] is the same as
+    leaving it out (vLLM). Ids outside the vocabulary are refused in `check_request_caps`."""
+    name = "logprob_token_ids"
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+        raise v.type_error(name, "an array of token ids")
+    if len(value) > limits.max_logprob_token_ids:
+        raise InvalidRequest(
+            f"Too many token ids in 'logprob_token_ids': this server takes at most "
+            f"{limits.max_logprob_token_ids} (max_logprob_token_ids), and this request has {len(value)}.", name)
+    return tuple(value)
+
+
+def parse_instruments(body: dict, limits: Limits, stream: bool) -> dict:
+    """The instrument fields (docs/api.md, section 2.3) as SamplingParams keyword arguments; only the
+    fields a request sets, so that a request without them has exactly the default parameters."""
+    out = {}
+    ids = parse_logprob_token_ids(body.get("logprob_token_ids"), limits)
+    if ids:
+        out["logprob_token_ids"] = ids
+    if v.get_bool(body, "position_stats", False):
+        out["position_stats"] = True
+    p = v.get_number(body, "top_logprobs_p", None, gt=0, le=1)
+    if p is not None:
+        out["top_logprobs_p"] = p
+        out["max_top_p_tokens"] = limits.max_top_p_tokens
+    mode = v.get_str(body, "logprobs_mode", "raw")
+    if mode not in LOGPROBS_MODES:
+        raise v.value_error("logprobs_mode", "'raw', 'processed' or 'both'")
+    if mode != "raw":
+        out["logprobs_mode"] = mode
+    if stream:
+        for name in STREAMED_INSTRUMENTS:
+            if name in out:
+                raise InvalidRequest(f"'{name}' does not work with 'stream': true. Send the request without "
+                                     "streaming to get it.", name)
+        if mode == "both":
+            raise InvalidRequest("'logprobs_mode': 'both' does not work with 'stream': true. Send the request "
+                                 "without streaming, or use 'processed' (it streams).", "logprobs_mode")
+    return out
+
+
 @dataclass
 class SharedFields:
     sampling: dict = field(default_factory=dict)  # SamplingParams keyword arguments
@@ -115,6 +164,7 @@ def parse_shared(body: dict, limits: Limits) -> SharedFields:
         if sampling["prompt_logprobs"] != -1:
             raise InvalidRequest("'vocab_encoding' is only used with 'prompt_logprobs': -1.", "vocab_encoding")
     v.get_str(body, "user")
+    sampling.update(parse_instruments(body, limits, stream))
     residual = parse_residual(body.get("output_residual_stream"))
     if stream and residual is not None:
         raise InvalidRequest("'output_residual_stream' does not work with 'stream': true. Send the request "
@@ -181,13 +231,30 @@ def check_request_caps(backend, prompts: list[list[int]], params: SamplingParams
                 f"Too many residual-stream vectors: positions x layers x n, summed over the prompts, is "
                 f"{vectors}, over this server's cap of {limits.max_residual_vectors} (max_residual_vectors). "
                 "Ask for fewer layers, positions or choices.", "output_residual_stream")
+    if params.logprob_token_ids:
+        vocab = backend.info.vocab_size
+        bad = [t for t in params.logprob_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest(f"Invalid value for 'logprob_token_ids': token id {bad[0]} is outside the "
+                                 f"vocabulary (0 to {vocab - 1}).", "logprob_token_ids")
     if params.needs_prompt_logits:
         if positions > limits.max_prompt_logprob_positions:
-            param = positions_param or ("prompt_logprobs" if params.prompt_logprobs is not None else "logprobs")
+            param = positions_param or positions_field(params)
             raise InvalidRequest(
                 f"Too many prompt log-probability positions: prompt tokens x n, summed over the prompts, "
                 f"is {positions}, over this server's cap of {limits.max_prompt_logprob_positions} "
                 "(max_prompt_logprob_positions).", param)
+
+
+def positions_field(params: SamplingParams) -> str:
+    """The field that made a request compute its prompt positions (named by the positions cap)."""
+    if params.prompt_logprobs is not None:
+        return "prompt_logprobs"
+    if params.echo and params.logprobs is not None:
+        return "logprobs"
+    if params.logprob_token_ids:
+        return "logprob_token_ids"
+    return "position_stats" if params.position_stats else "top_logprobs_p"
 
 
 _ENCODERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -246,6 +313,18 @@ def iter_body(payload: dict, parts) -> Iterator[bytes]:
         yield from parts[int(m.group(2))]()
         pos = m.end()
     yield encoded[pos:]
+
+
+def instrument_blocks(params: SamplingParams, namer: TokenNamer, pc: PromptColumns | None, generated) -> dict:
+    """A choice's `logprob_token_ids` and `position_stats` blocks, for the fields the request set
+    (`generated`: the choice's PositionColumns, the rows of its listed tokens)."""
+    out = {}
+    prompt = pc.extras if pc is not None else None
+    if params.logprob_token_ids:
+        out["logprob_token_ids"] = logprob_token_ids_block(prompt, generated)
+    if params.position_stats or params.top_logprobs_p is not None:
+        out["position_stats"] = position_stats_block(prompt, pc.ranks if pc is not None else None, generated, namer)
+    return out
 
 
 def residual_layers(backend, residual: ResidualRequest | None) -> tuple[int, ...]:

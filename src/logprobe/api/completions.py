@@ -15,10 +15,11 @@ import numpy as np
 from ..config import Limits
 from ..backend import GenerationOutput, GenerationRequest, SamplingParams
 from ..tokens import TextAssembler
+from ..output.instruments import asked_ids_top, join_legacy
 from ..output.logprobs import TokenNamer, legacy_logprobs
 from . import validation as v
-from .common import (Parts, ResidualRequest, check_request_caps, check_text_length, parse_shared, prompt_logprobs_parts,
-                     residual_layers, residual_of)
+from .common import (Parts, ResidualRequest, check_request_caps, check_text_length, instrument_blocks, parse_shared,
+                     prompt_logprobs_parts, residual_layers, residual_of)
 from .errors import InvalidRequest
 from .streaming import sse
 
@@ -27,7 +28,7 @@ COMPLETION_FIELDS = {
     "echo", "stop", "seed", "user",
     # logprobe / vLLM extensions
     "top_k", "prompt_logprobs", "vocab_encoding", "output_residual_stream", "add_special_tokens",
-    "return_tokens_as_token_ids",
+    "return_tokens_as_token_ids", "logprob_token_ids", "position_stats", "top_logprobs_p", "logprobs_mode",
 }
 # OpenAI fields logprobe does not implement: accepted only at these neutral values (the last is shown).
 UNIMPLEMENTED_FIELDS = {
@@ -181,18 +182,8 @@ def format_response(backend, req: CompletionRequest, requests: list[GenerationRe
             text = seq.text
             logprobs = None
             if params.logprobs is not None:
-                k = params.logprobs
-                ids, lps, top_ids, top_lps = seq.token_ids, seq.logprobs, seq.top_ids, seq.top_logprobs
-                offsets = seq.offsets
-                if params.echo:
-                    pc = out.prompt_columns
-                    ids = np.concatenate([prompt_ids, ids])
-                    lps = np.concatenate([pc.logprobs, lps])
-                    top_ids = np.concatenate([pc.top_ids[:, :k], top_ids])
-                    top_lps = np.concatenate([pc.top_logprobs[:, :k], top_lps])
-                    offsets = echo_offsets + offsets
-                logprobs = legacy_logprobs(namer, ids, lps, top_ids, top_lps, offsets,
-                                           first_is_null=params.echo)
+                logprobs = choice_logprobs(namer, params, prompt_ids, out.prompt_columns, seq, echo_offsets,
+                                           params.logprobs_mode == "processed")
             mark = None
             if prompt_part is not None:
                 mark = parts.add(prompt_part)
@@ -205,6 +196,11 @@ def format_response(backend, req: CompletionRequest, requests: list[GenerationRe
             }
             if req.residual is not None:
                 choice["residual_stream"] = residual_of(backend, req.residual, seq)
+            if params.needs_position_columns:
+                choice.update(instrument_blocks(params, namer, out.prompt_columns, seq.extras))
+            if params.logprobs_mode == "both":
+                choice["processed_logprobs"] = None if params.logprobs is None else choice_logprobs(
+                    namer, params, prompt_ids, out.prompt_columns, seq, echo_offsets, True)
             choices.append(choice)
     prompt_tokens = sum(r.num_prompt_tokens for r in requests)
     return {
@@ -216,6 +212,26 @@ def format_response(backend, req: CompletionRequest, requests: list[GenerationRe
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                   "total_tokens": prompt_tokens + completion_tokens},
     }, parts
+
+
+def choice_logprobs(namer: TokenNamer, params: SamplingParams, prompt_ids: np.ndarray, pc, seq, echo_offsets,
+                    processed: bool) -> dict:
+    """A choice's `logprobs` object: an echoed prompt's entries, then the generated tokens', whose numbers
+    are those of the distribution each was drawn from when `processed` (the raw ones otherwise; a
+    prompt position has only the raw distribution). With `logprob_token_ids`, a generated token's
+    top_logprobs map holds the token and the asked ids instead of the k likeliest (vLLM)."""
+    lps, top_ids, top_lps = seq.logprobs, seq.top_ids, seq.top_logprobs
+    if processed and seq.processed_logprobs is not None:  # "both": the raw ones are in seq.logprobs
+        lps, top_lps = seq.processed_logprobs, seq.processed_top_logprobs
+    if params.logprob_token_ids:
+        top_ids, top_lps = asked_ids_top(seq.extras, processed)
+    generated = legacy_logprobs(namer, seq.token_ids, lps, top_ids, top_lps, seq.offsets)
+    if not params.echo:
+        return generated
+    k = params.logprobs
+    prompt = legacy_logprobs(namer, prompt_ids, pc.logprobs, pc.top_ids[:, :k], pc.top_logprobs[:, :k],
+                             echo_offsets, first_is_null=True)
+    return join_legacy(prompt, generated)
 
 
 def stream_formatters(backend, req: CompletionRequest, requests: list[GenerationRequest], echoes):

@@ -64,6 +64,20 @@ class _Sampling(Body):
     output_residual_stream: ResidualStream | None = Field(None, description="Activations at these layers for "
                                                           "every prompt and generated position. Not with stream.")
     return_tokens_as_token_ids: bool | None = Field(False, description="Tokens as `token_id:N`.")
+    logprob_token_ids: list[int] | None = Field(None, max_length=_L.max_logprob_token_ids, description=(
+        "These token ids' log probabilities and ranks at every prompt and generated position (the "
+        "choice's `logprob_token_ids`); with logprobs, each generated token's top_logprobs holds the token "
+        "and these ids instead of the k likeliest (vLLM). Cap: --max-logprob-token-ids. Not with stream."))
+    position_stats: bool | None = Field(False, description="Entropy (nats) of every prompt and generated "
+                                        "position's distribution and the actual token's rank (the choice's "
+                                        "`position_stats`). Not with stream.")
+    top_logprobs_p: float | None = Field(None, gt=0, le=1, description=(
+        "At every position, the smallest set of likeliest tokens whose probability reaches p (at most "
+        "--max-top-p-tokens, else `truncated`), in `position_stats`. Not with stream."))
+    logprobs_mode: Literal["raw", "processed", "both"] | None = Field("raw", description=(
+        "raw: log probabilities of the model's distribution; processed: of the distribution each token "
+        "was drawn from (after temperature, top-k, top-p); both: raw, plus `processed_logprobs` (not with "
+        "stream)."))
 
 
 class CompletionBody(_Sampling):
@@ -74,6 +88,8 @@ class CompletionBody(_Sampling):
         {"model": "smollm2-135m", "prompt": "Paris is the capital of France.", "max_tokens": 0, "echo": True,
          "logprobs": 1},
         {"model": "smollm2-135m", "prompt": [[1, 2, 3]], "max_tokens": 1, "prompt_logprobs": 3},
+        {"model": "smollm2-135m", "prompt": "Answer A or B:", "max_tokens": 1, "temperature": 0,
+         "logprob_token_ids": [330, 389], "position_stats": True, "top_logprobs_p": 0.9},
     ]})
 
     model: str = Field(..., description="The model's name or one of its aliases (GET /v1/models).")

@@ -470,21 +470,28 @@ class Engine:
             seq.residual = by_tokens[ids]
 
     def _postprocess(self, group: SequenceGroup, lsm: torch.Tensor) -> None:
-        """Sample a token for each active row, record its log probability and top-k, apply stops."""
+        """Sample a token for each active row, record its log probability and top-k (and what the request
+        asked of the instruments), apply stops."""
         params = group.params
         k = params.logprobs or 0
         if k:
             top_vals, top_idx = torch.topk(lsm, k, dim=-1)
             top_vals, top_idx = top_vals.cpu().numpy(), top_idx.cpu().numpy()
+        instruments = group.instruments  # None unless the request asked for one (instruments.py)
+        if instruments is not None:
+            instruments.before_sampling(lsm)
         keep = []
         for row, seq_index in enumerate(group.active_rows):
             seq = group.sequences[seq_index]
-            token = sample_row(lsm[row], params, seq.generator)
-            seq.token_ids.append(token)
-            seq.logprobs.append(float(lsm[row, token]))
-            if k:
-                seq.top_ids.append(top_idx[row])
-                seq.top_logprobs.append(top_vals[row])
+            if instruments is None:
+                token = sample_row(lsm[row], params, seq.generator)
+                seq.token_ids.append(token)
+                seq.logprobs.append(float(lsm[row, token]))
+                if k:
+                    seq.top_ids.append(top_idx[row])
+                    seq.top_logprobs.append(top_vals[row])
+            else:
+                instruments.sample(seq, lsm, row, top_idx[row] if k else None, top_vals[row] if k else None)
             self._check_stop(seq, group)
             if not seq.is_finished:
                 keep.append(row)

@@ -269,8 +269,7 @@ class FastRunner(ModelRunner):
         if state is None:
             state = group.cache = PrefillState(self, group)
             if group.params.needs_prompt_logits:
-                group.prompt_columns = self.new_prompt_columns(
-                    group.num_prompt_tokens, group.params.num_prompt_top, group.params.prompt_logprobs == -1)
+                group.prompt_columns = self.new_prompt_columns(group.num_prompt_tokens, group.params)
         start, total = state.done, group.num_prompt_tokens
         stop = min(total, start + max(1, budget))
         ids = state.ids[start:stop][None]
@@ -320,8 +319,7 @@ class FastRunner(ModelRunner):
         for row, g in enumerate(groups):
             if g.params.needs_prompt_logits:
                 n = lengths[row]
-                g.prompt_columns = self._prompt_columns(hidden[row, :n], ids[row, :n], g.params.num_prompt_top,
-                                                        keep_full=g.params.prompt_logprobs == -1)
+                g.prompt_columns = self._prompt_columns(hidden[row, :n], ids[row, :n], g.params)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -345,8 +343,7 @@ class FastRunner(ModelRunner):
             if group.cache is None:
                 group.cache = PrefillState(self, group)
                 if group.params.needs_prompt_logits:
-                    group.prompt_columns = self.new_prompt_columns(
-                        group.num_prompt_tokens, group.params.num_prompt_top, group.params.prompt_logprobs == -1)
+                    group.prompt_columns = self.new_prompt_columns(group.num_prompt_tokens, group.params)
             state = group.cache
             start = state.done
             parts.append((group, state, start, min(group.num_prompt_tokens, start + max(1, budget))))

@@ -15,6 +15,7 @@ import torch
 from ..backend import (ChoiceOutput, FinishReason, GenerationOutput, GenerationRequest, PromptColumns,
                        SamplingParams)
 from ..tokens import TextAssembler, TokenTable
+from .instruments import Instruments, RowLog
 
 __all__ = ["FinishReason", "PromptColumns", "SamplingParams", "Sequence", "SequenceGroup"]
 
@@ -44,6 +45,7 @@ class Sequence:
         self.num_kept: int | None = None  # tokens kept after a stop string cut the text
         self.text_end: int | None = None  # length of the generated text after the cut
         self.residual: dict[int, np.ndarray] | None = None  # layer -> [prompt + kept tokens, D]
+        self.rows: RowLog | None = None  # instrument rows, for a request that asked (instruments.py)
 
     @property
     def is_finished(self) -> bool:
@@ -53,11 +55,23 @@ class Sequence:
     def num_kept_tokens(self) -> int:
         return len(self.token_ids) if self.num_kept is None else self.num_kept
 
-    def output(self, k: int) -> ChoiceOutput:
+    def output(self, k: int, params: SamplingParams) -> ChoiceOutput:
         ids, lps, top_ids, top_lps = self.columns(k)
         text = self.text.text if self.text_end is None else self.text.text[: self.text_end]
-        return ChoiceOutput(self.index, ids, lps, top_ids, top_lps, list(self.text.offsets[: len(ids)]), text,
-                            self.finish_reason.value, len(self.token_ids), self.residual)
+        out = ChoiceOutput(self.index, ids, lps, top_ids, top_lps, list(self.text.offsets[: len(ids)]), text,
+                           self.finish_reason.value, len(self.token_ids), self.residual)
+        if params.needs_position_columns or params.records_processed:
+            self.add_instruments(out, k, params)
+        return out
+
+    def add_instruments(self, out: ChoiceOutput, k: int, params: SamplingParams) -> None:
+        kept = len(out.token_ids)
+        log = self.rows or RowLog()
+        out.extras = log.position_columns(params, kept)
+        if params.logprobs_mode == "both" and params.logprobs is not None:
+            out.processed_logprobs = np.asarray(log.processed_logprobs[:kept], dtype=np.float32)
+            out.processed_top_logprobs = (np.stack(log.processed_top_logprobs[:kept])[:, :k] if kept and k
+                                          else np.zeros((kept, k), dtype=np.float32))
 
     def columns(self, k: int, start: int = 0, stop: int | None = None):
         """(ids, logprobs, top ids [., k], top logprobs [., k]) of kept tokens start..stop. Streaming
@@ -86,6 +100,7 @@ class SequenceGroup:
         self.params = params
         self.sequences = [Sequence(j, params, table, text_start) for j in range(params.n)]
         self.prompt_columns: PromptColumns | None = None
+        self.instruments = Instruments.of(params)  # None for a request that asks for none
         self.cache = None  # the model's KV cache while the group runs
         self.active_rows: list[int] = []  # sequence index of each row of the KV cache batch
         self.is_aborted = False
@@ -108,4 +123,4 @@ class SequenceGroup:
     def output(self) -> GenerationOutput:
         k = self.params.logprobs or 0
         return GenerationOutput(self.request_id, self.num_prompt_tokens, self.prompt_columns,
-                                [seq.output(k) for seq in self.sequences])
+                                [seq.output(k, self.params) for seq in self.sequences])

@@ -14,7 +14,8 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from .request import PromptColumns, SequenceGroup
+from .instruments import fill_prompt_extras, new_prompt_extras
+from .request import PromptColumns, SamplingParams, SequenceGroup
 
 POSITION_CHUNK = 256  # prompt positions whose logits are materialised at once, at most
 CHUNK_ENTRIES = 256 * 49_152  # ... and at most this many logits (positions x vocabulary): 48 positions
@@ -89,8 +90,7 @@ class ModelRunner:
         check_cache_length(cache, ids.shape[1])
         group.cache = cache
         if group.params.needs_prompt_logits:
-            group.prompt_columns = self._prompt_columns(hidden, ids[0], group.params.num_prompt_top,
-                                                        keep_full=group.params.prompt_logprobs == -1)
+            group.prompt_columns = self._prompt_columns(hidden, ids[0], group.params)
         return self.logprobs_of(hidden[-1:])
 
     @torch.inference_mode()
@@ -111,24 +111,24 @@ class ModelRunner:
         for row, g in enumerate(groups):
             if g.params.needs_prompt_logits:
                 n = g.num_prompt_tokens
-                g.prompt_columns = self._prompt_columns(hidden[row, :n], ids[row, :n], g.params.num_prompt_top,
-                                                        keep_full=g.params.prompt_logprobs == -1)
+                g.prompt_columns = self._prompt_columns(hidden[row, :n], ids[row, :n], g.params)
 
-    def _prompt_columns(self, hidden: torch.Tensor, ids: torch.Tensor, k: int,
-                        keep_full: bool = False) -> PromptColumns:
-        cols = self.new_prompt_columns(ids.shape[0], k, keep_full)
+    def _prompt_columns(self, hidden: torch.Tensor, ids: torch.Tensor, params: SamplingParams) -> PromptColumns:
+        cols = self.new_prompt_columns(ids.shape[0], params)
         self.fill_prompt_columns(cols, hidden, ids, 0)
         return cols
 
-    def new_prompt_columns(self, num: int, k: int, keep_full: bool) -> PromptColumns:
+    def new_prompt_columns(self, num: int, params: SamplingParams) -> PromptColumns:
+        """Empty columns for a prompt of `num` tokens, as wide as the request asks."""
+        k = params.num_prompt_top
+        vocab = self.vocab_size
         full = full_ranks = None
-        if keep_full:  # bounded by the whole-vocabulary cap (256 positions by default)
-            vocab = self.vocab_size
+        if params.prompt_logprobs == -1:  # bounded by the whole-vocabulary cap (256 positions by default)
             full = np.full((num, vocab), np.nan, dtype=np.float32)
             full_ranks = np.zeros((num, vocab), dtype=np.int32)
         return PromptColumns(np.full(num, np.nan, dtype=np.float32), np.zeros(num, dtype=np.int64),
                              np.zeros((num, k), dtype=np.int64), np.zeros((num, k), dtype=np.float32),
-                             full, full_ranks)
+                             full, full_ranks, new_prompt_extras(num, params, vocab))
 
     def fill_prompt_columns(self, cols: PromptColumns, hidden: torch.Tensor, ids: torch.Tensor, first: int) -> None:
         """Fill the rows predicted by `hidden` ([C, D], the states at positions first..first+C-1): the
@@ -150,6 +150,8 @@ class ModelRunner:
                 vals, idx = torch.topk(lsm, k, dim=1)
                 cols.top_ids[start + 1:stop + 1] = idx.cpu().numpy()
                 cols.top_logprobs[start + 1:stop + 1] = vals.cpu().numpy()
+            if cols.extras is not None:
+                fill_prompt_extras(cols.extras, lsm, slice(start + 1, stop + 1))
 
     @torch.inference_mode()
     def decode(self, group: SequenceGroup, last_tokens: list[int]) -> torch.Tensor:

@@ -187,25 +187,14 @@ function barChart(target, alternatives) {
 }
 
 // ---- Score view -------------------------------------------------------------------------------
-function b64Floats(b64) {
-  const raw = atob(b64), bytes = new Uint8Array(raw.length);
-  for (let i = 0; i < raw.length; i++) bytes[i] = raw.charCodeAt(i);
-  return new Float32Array(bytes.buffer);
-}
-
-async function entropies(item) {
+async function entropies(item) {            // entropy (bits) of each position's distribution, from the server
   const prompt = (state.bosId !== null ? [state.bosId] : []).concat(item.token_ids);
-  const out = await api("/v1/completions", { model: state.model, prompt, max_tokens: 0, prompt_logprobs: -1,
-    vocab_encoding: "float32" });
-  const plp = out.choices[0].prompt_logprobs;
+  const out = await api("/v1/completions", { model: state.model, prompt, max_tokens: 0, position_stats: true });
+  const entropy = out.choices[0].position_stats.prompt.entropy;   // nats; null at position 0
   const offset = state.bosId !== null ? 1 : 0;
   return item.token_ids.map((_, i) => {
-    const entry = plp[i + offset];
-    if (!entry) return null;
-    const lps = b64Floats(entry.logprobs);
-    let h = 0;
-    for (const lp of lps) if (lp > -1e4) h -= Math.exp(lp) * lp;
-    return h / LN2;
+    const h = entropy[i + offset];
+    return h === null || h === undefined ? null : h / LN2;
   });
 }
 
@@ -237,7 +226,7 @@ async function runScore() {
       el("span", { id: "total-tokens" }, `${item.num_tokens} tokens`));
     const series = [{ name: "surprisal (bits)", colour: "#b3261e", values: item.token_logprobs.map((lp) => (lp === null ? null : bits(lp))) }];
     if ($("score-entropy").checked) {
-      setStatus("score-status", "Reading the whole vocabulary for entropy…");
+      setStatus("score-status", "Reading the entropy of each position…");
       series.push({ name: "entropy (bits)", colour: "#2857c5", dash: "5 4", values: await entropies(item) });
     }
     lineChart($("score-line"), series, item.tokens);
@@ -273,7 +262,7 @@ async function generate(prompt, keep) {
   const seed = $("gen-seed").value;
   const body = { model: state.model, prompt, stream: true, max_tokens: Number($("gen-max").value) || 32,
     temperature: Number($("gen-temp").value), top_p: Number($("gen-top-p").value) || 1,
-    logprobs: Number($("gen-k").value) || 5 };
+    logprobs: Number($("gen-k").value) || 5, logprobs_mode: $("gen-processed").checked ? "processed" : "raw" };
   if (seed !== "") body.seed = Number(seed);
   setStatus("gen-status", "Generating…");
   try {
