@@ -437,6 +437,7 @@ class FastRunner(ModelRunner):
             else:
                 views[window] = (0, (mask & (columns > (lengths - window)[:, None])[:, None, None, :]))
         windows = self.windows
+        kv_heads, group = self.kv_heads, self.num_heads // self.kv_heads
 
         def attend(layer, q, k, v):
             if same:
@@ -448,8 +449,13 @@ class FastRunner(ModelRunner):
             first, mask = views[windows[layer]]
             keys = self.cache.keys[layer][:count, :, first:longest]
             values = self.cache.values[layer][:count, :, first:longest]
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale,
-                                                  enable_gqa=self.kv_heads != self.num_heads)
+            # One query per row: each key/value head's query heads attend as that head's queries
+            # ([B, KV, H/KV, d] against [B, KV, L, d]), the same products as enable_gqa without its
+            # expansion of the keys, which in bfloat16 cost 10x (0.78 vs 0.08 ms for 16 rows of 80
+            # positions, 7.4 vs 0.53 ms for 600: 4 query heads on 1 key head, d 256).
+            out = F.scaled_dot_product_attention(q.reshape(count, kv_heads, group, -1), keys, values,
+                                                 attn_mask=mask, scale=self.scale)
+            return out.reshape(count, kv_heads * group, 1, -1)
 
         hidden = self._run(ids, lengths[:, None], attend, decode=True)[:, -1]  # [rows, D]
         lsm = self.logprobs_of(hidden)

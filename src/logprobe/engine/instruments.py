@@ -16,13 +16,32 @@ from ..backend import PositionColumns, SamplingParams
 from .sampler import sample_row, sample_with_distribution
 
 FEW_IDS = 16  # ranks by one comparison pass per id up to here, by one sort per row beyond (measured on 256
-# rows of 49,152: 16 passes 0.78 s, one sort 0.82 s, one pass 0.06 s)
+# rows of 49,152: one pass 0.024 s, one sort 0.44 s)
+
+
+_BYTES_OF_16 = 0x00FF00FF00FF00FF
+_HALVES_OF_32 = 0x0000FFFF0000FFFF
+
+
+def count_greater(rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """[R] int64: how many entries of each row of `rows` ([R, V]) are strictly larger than values[r]
+    ([R, 1]). The comparison's bytes (0 or 1) are added 8 at a time in int64 lanes (two steps of adding
+    neighbours, then one sum per row): exact, and ~5x faster here than summing the bools (a [48, 262144]
+    row block: 6.8 ms against 35 ms), which dominated scoring on a 262,144-token vocabulary."""
+    above = rows > values
+    if above.shape[-1] % 8 or not above.is_contiguous() or above.device.type != "cpu":
+        return above.sum(dim=-1)
+    x = above.view(torch.int64)  # 8 bytes of 0 or 1 per lane: never negative
+    x = (x & _BYTES_OF_16) + ((x >> 8) & _BYTES_OF_16)  # 4 sums of 2 bytes, 16 bits each
+    x = (x & _HALVES_OF_32) + ((x >> 16) & _HALVES_OF_32)  # 2 sums of 4, 32 bits each
+    total = x.sum(dim=-1)  # each 32-bit half holds at most V / 2: no carry between them
+    return (total & 0xFFFFFFFF) + (total >> 32)
 
 
 def ranks_of(lsm: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """[R, K] int64: 1 + the number of entries of row r of `lsm` ([R, V]) strictly larger than values[r, k]."""
     if values.shape[1] <= FEW_IDS:
-        return torch.stack([(lsm > values[:, j:j + 1]).sum(dim=1) for j in range(values.shape[1])], dim=1) + 1
+        return torch.stack([count_greater(lsm, values[:, j:j + 1]) for j in range(values.shape[1])], dim=1) + 1
     ascending = torch.sort(lsm, dim=1).values
     at_most = torch.searchsorted(ascending, values.contiguous(), right=True)  # entries <= each value
     return lsm.shape[1] - at_most + 1

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from .instruments import fill_prompt_extras, new_prompt_extras
+from .instruments import count_greater, fill_prompt_extras, new_prompt_extras
 from .request import PromptColumns, SamplingParams, SequenceGroup
 
 POSITION_CHUNK = 256  # prompt positions whose logits are materialised at once, at most
@@ -145,7 +145,7 @@ class ModelRunner:
             if cols.full is not None:
                 cols.full[start + 1:stop + 1] = lsm.cpu().numpy()
                 cols.full_ranks[start + 1:stop + 1] = vocab_ranks(lsm).cpu().numpy()
-            cols.ranks[start + 1:stop + 1] = ((lsm > target_lp).sum(dim=1) + 1).cpu().numpy()
+            cols.ranks[start + 1:stop + 1] = (count_greater(lsm, target_lp) + 1).cpu().numpy()
             if k:
                 vals, idx = torch.topk(lsm, k, dim=1)
                 cols.top_ids[start + 1:stop + 1] = idx.cpu().numpy()
