@@ -119,8 +119,14 @@ class FastRunner(ModelRunner):
         self.int4 = int4_grids is not None
         with torch.no_grad():
             blocks = family.blocks()  # fuses q/k/v and gate/up where the model keeps them apart
+        # per layer: None or its sliding window (one as long as the context masks nothing: a full layer)
+        self.windows = [b.window if b.window is not None and b.window < max_len else None for b in blocks]
+        self.window_sizes = sorted({w for w in self.windows if w is not None})
+        release = pack and self.RELEASE_PACKED
+        released = 0
         self.blocks = []
-        for index, block in enumerate(blocks):
+        for index in range(len(blocks)):
+            block, blocks[index] = blocks[index], None  # its fused weights are held by its Linears only
             q4 = [None] * 4
             if int4_grids is not None:
                 try:
@@ -128,42 +134,45 @@ class FastRunner(ModelRunner):
                           for names in block.int4_names]
                 except KeyError as exc:
                     raise ValueError(f"no 4-bit grid for {exc.args[0]}") from None
-            self.blocks.append((Linear(*block.qkv, pack, q4[0]), Linear.of(block.o_proj, pack, q4[1]),
-                                Linear(*block.gate_up, pack, q4[2]), Linear.of(block.down_proj, pack, q4[3]),
-                                block.input_norm, block.pre_ff_norm, block.act, block.post_attn_norm,
+            linears = (Linear(*block.qkv, pack, q4[0]), Linear.of(block.o_proj, pack, q4[1]),
+                       Linear(*block.gate_up, pack, q4[2]), Linear.of(block.down_proj, pack, q4[3]))
+            self.blocks.append((*linears, block.input_norm, block.pre_ff_norm, block.act, block.post_attn_norm,
                                 block.post_ff_norm, block.qk_norm, block.rope))
-        # per layer: None or its sliding window (one as long as the context masks nothing: a full layer)
-        self.windows = [b.window if b.window is not None and b.window < max_len else None for b in blocks]
-        self.window_sizes = sorted({w for w in self.windows if w is not None})
+            del block
+            if release:  # layer by layer: the peak is the weights and one layer's packed copy
+                released += self._release(linears, self.layers[index])
         self.final_norm = family.final_norm()
         self.head = Linear.of(self.lm_head, pack)
+        if release:
+            released += self._release((self.head,), self.model)
+            log.info("lean path: %.0f MB of transformers' weights released (kept once, packed for oneDNN)",
+                     released / 2**20)
         self.packed = pack
-        if pack:
-            self.release_module_weights()
         self.kv_positions = kv_positions
         self.cache = SlotCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device,
                                max_len=max_len, capacity=kv_positions)
 
-    def release_module_weights(self) -> None:
-        """Keep each packed weight once. The packed copy is all the lean path reads, so transformers'
-        modules whose weights were packed (the blocks' projections; the head unless it is tied to the
-        embedding, which the lean path still reads) are emptied: in bfloat16 the weights would
-        otherwise be held twice (an 8B model: 16 GB more). transformers' forward of this model cannot
-        run afterwards; nothing on the lean path calls it (activations are read by `residual_stream`)."""
-        packed = [lin for block in self.blocks for lin in block[:4]] + [self.head]
-        storages = {lin.weight.untyped_storage().data_ptr(): lin.weight.untyped_storage().nbytes() for lin in packed}
-        for module in self.model.modules():
+    RELEASE_PACKED = True  # see _release; tests turn it off to compare with an engine that keeps both
+
+    def _release(self, linears, root) -> int:
+        """Keep each packed weight once: the packed copy is all the lean path reads, so transformers'
+        modules under `root` whose weights these Linears packed are emptied, and the Linears drop their
+        plain weight too (bytes freed returned). In bfloat16 the weights would otherwise be held twice
+        (an 8B model: 16 GB more). A head tied to the embedding is kept: the lean path embeds with it.
+        transformers' forward of this model cannot run afterwards; nothing on the lean path calls it
+        (activations are read by `residual_stream`)."""
+        storages = {lin.weight.untyped_storage().data_ptr(): lin.weight.untyped_storage().nbytes()
+                    for lin in linears}
+        storages.pop(self.model.get_input_embeddings().weight.untyped_storage().data_ptr(), None)
+        for module in root.modules():
             weight = getattr(module, "weight", None)
             if (isinstance(module, torch.nn.Linear) and isinstance(weight, torch.Tensor) and weight.numel()
                     and weight.untyped_storage().data_ptr() in storages):
                 module.weight = torch.nn.Parameter(weight.new_empty(0), requires_grad=False)
-        # a head tied to the embedding: the embedding stays, and the head's Linear keeps pointing at it
-        storages.pop(self.model.get_input_embeddings().weight.untyped_storage().data_ptr(), None)
-        for lin in packed:
+        for lin in linears:
             if lin.weight.untyped_storage().data_ptr() in storages:
                 lin.weight = None
-        log.info("lean path: %.0f MB of transformers' weights released (kept once, packed for oneDNN)",
-                 sum(storages.values()) / 2**20)
+        return sum(storages.values())
 
     # ---- one pass of the blocks ------------------------------------------------------------
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> dict:
