@@ -388,8 +388,10 @@ class StreamRecord:
 class FakeBackend:
     """The Backend protocol over a numpy "model". See the module's docstring."""
 
-    def __init__(self, tokenizer, *, info: ModelInfo | None = None, step_delay: float = 0.0, **sizes):
+    def __init__(self, tokenizer, *, info: ModelInfo | None = None, step_delay: float = 0.0, salt: int = MODEL_SALT,
+                 **sizes):
         self.tokenizer = tokenizer
+        self.salt = salt  # another salt, another "model": different log probabilities for the same ids
         self.info = info or describe(tokenizer, **sizes)
         self.table = TokenTable.build(tokenizer, self.info.vocab_size)
         self.step_delay = step_delay
@@ -441,7 +443,7 @@ class FakeBackend:
             self._rows.move_to_end(key)
             return row
         vocab = self.info.vocab_size
-        logits = np.random.default_rng([MODEL_SALT, a + 1, b + 1]).standard_normal(vocab) * 3.0
+        logits = np.random.default_rng([self.salt, a + 1, b + 1]).standard_normal(vocab) * 3.0
         if vocab > max(TIED):
             logits[list(TIED)] = logits[TIED[0]]
         top = logits.max()

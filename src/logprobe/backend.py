@@ -36,6 +36,8 @@ class SamplingParams:
     echo: bool = False
     prompt_logprobs: int | None = None  # top-k for prompt positions (-1: whole vocabulary)
     residual_layers: tuple[int, ...] = ()  # layers (0..num_layers) whose residual stream to return
+    lens_layers: tuple[int, ...] = ()  # logit lens: layers (0..num_layers) read through the final norm and head
+    lens_top_k: int = 0  # ... with the k likeliest tokens at each position
     # The researcher's instruments (docs/api.md, section 2.3); none costs anything when not asked
     logprob_token_ids: tuple[int, ...] = ()  # these ids' log probabilities and ranks at every position
     position_stats: bool = False  # entropy and the actual token's rank at every position
@@ -60,7 +62,7 @@ class SamplingParams:
     def needs_forward(self) -> bool:
         """False only for a request that asks for nothing the model computes (max_tokens 0, no prompt
         log probabilities, no activations): it is answered without the engine."""
-        return self.max_tokens > 0 or self.needs_prompt_logits or bool(self.residual_layers)
+        return self.max_tokens > 0 or self.needs_prompt_logits or bool(self.residual_layers) or bool(self.lens_layers)
 
     @property
     def needs_prompt_logits(self) -> bool:
@@ -189,6 +191,9 @@ class ChoiceOutput:
     finish_reason: str
     num_generated: int  # every token generated, the cut ones included (usage counts them)
     residual: dict[int, np.ndarray] | None = None  # layer -> [prompt + kept tokens, d_model] float32
+    # logit lens: layer -> the columns of prompt + kept tokens under that layer's residual stream read
+    # through the final norm and the head (row i: token i's log probability, rank and the top-k there)
+    lens: dict[int, PromptColumns] | None = None
     extras: PositionColumns | None = None  # asked ids and statistics at each kept token
     # logprobs_mode "both": the same columns in the distribution each token was drawn from (with the
     # "processed" mode, `logprobs` and `top_logprobs` above hold those numbers themselves)

@@ -18,6 +18,7 @@ class Limits:
     max_vocab_entries: int = 256 * 128_256
     max_prompt_logprob_positions: int = 32_768  # prompt_logprobs k >= 0, or echo with logprobs
     max_residual_vectors: int = 65_536
+    max_lens_rows: int = 8192  # output_lens: positions x layers x n, each a pass of the head
     max_logprob_token_ids: int = 128  # logprob_token_ids: ids asked at every position
     max_top_p_tokens: int = 100  # top_logprobs_p: tokens of one position's set (more: truncated)
     max_n: int = 16

@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from fake_backend import FakeBackend
-from logprobe.api.app import create_app
+from logprobe.api.app import attach_backends, create_app
 from logprobe.config import Limits
 
 
@@ -22,5 +22,19 @@ def fake_backend(tokenizer):
 @pytest.fixture(scope="session")
 def fake_client(fake_backend):
     app = create_app(fake_backend, Limits())
+    with TestClient(app, raise_server_exceptions=False) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def pair_client(tokenizer):
+    """Two fake models on one tokenizer, with different numbers (for /v1/compare): `tiny` (also `base`)
+    and `tiny-b` (also `tuned`)."""
+    first = FakeBackend(tokenizer, name="test/tiny-llama", aliases=("tiny", "base"), num_layers=2, d_model=64,
+                        context_length=256)
+    second = FakeBackend(tokenizer, name="test/tiny-llama-b", aliases=("tiny-b", "tuned"), num_layers=2, d_model=64,
+                         context_length=256, salt=0x5A17)
+    app = create_app(None, Limits())
+    attach_backends(app, [first, second])
     with TestClient(app, raise_server_exceptions=False) as c:
         yield c

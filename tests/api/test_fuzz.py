@@ -20,13 +20,14 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from logprobe.api import chat, completions, scoring
+from logprobe.api import chat, comparing, completions, scoring
 from logprobe.api.app import create_app
 from logprobe.config import Limits
 
 LIMITS = Limits()
 VOCAB = 49152  # the tiny model runs on SmolLM2's tokenizer
 MODEL_NAMES = ("tiny", "test/tiny-llama")
+COMPARED_NAMES = MODEL_NAMES + ("tiny-b", "test/tiny-llama-b")  # /v1/compare runs on `pair_client`
 REQUEST_ID = re.compile(r"req_[0-9a-f]{32}")
 ALLOWED_STATUS = {200, 400, 404, 413, 429}
 REQUEST_TIME_LIMIT = 10.0  # seconds: any ordinary request
@@ -149,6 +150,7 @@ SPECS = {
     "/v1/chat/completions": Spec(frozenset(chat.CHAT_FIELDS), chat.UNIMPLEMENTED_FIELDS,
                                  frozenset({"model", "messages"})),
     "/v1/score": Spec(frozenset(scoring.SCORE_FIELDS), {}, frozenset({"model", "input"})),
+    "/v1/compare": Spec(frozenset(comparing.COMPARE_FIELDS), {}, frozenset({"models", "input"})),
     "/tokenize": Spec(frozenset(TOKENIZE_FIELDS), {}, frozenset({"prompt"})),
     "/detokenize": Spec(frozenset(DETOKENIZE_FIELDS), {}, frozenset({"tokens"})),
 }
@@ -235,6 +237,7 @@ def boolean():
 
 FIELD_VALUES = {
     "model": st.sampled_from(MODEL_NAMES) | json_values,
+    "models": st.lists(st.sampled_from(COMPARED_NAMES) | texts, max_size=3) | json_values,
     "prompt": prompts,
     "input": prompts,
     "context": texts | st.lists(texts, max_size=3) | json_values,
@@ -257,6 +260,7 @@ FIELD_VALUES = {
     "prompt_logprobs": small_int(-1, 6),
     "vocab_encoding": st.sampled_from(["float32", "float16", "int8"]) | json_values,
     "output_residual_stream": residual,
+    "output_lens": residual,
     "add_special_tokens": boolean(),
     "return_tokens_as_token_ids": boolean(),
     "add_bos": boolean(),
@@ -309,6 +313,7 @@ messages_ok = st.lists(st.fixed_dictionaries(
 layers_ok = st.lists(st.integers(-3, 2), min_size=1, max_size=3)
 VALID_VALUES = {
     "model": st.sampled_from(MODEL_NAMES),
+    "models": st.lists(st.sampled_from(COMPARED_NAMES), min_size=2, max_size=2),
     "prompt": prompts_ok,
     "input": prompts_ok,
     "context": st.text(max_size=12),
@@ -330,6 +335,7 @@ VALID_VALUES = {
     "output_residual_stream": layers_ok | st.fixed_dictionaries(
         {"layers": layers_ok}, optional={"dtype": st.sampled_from(["float32", "float16", "bfloat16"]),
                                          "encoding": st.sampled_from(["base64", "json"])}),
+    "output_lens": layers_ok | st.fixed_dictionaries({"layers": layers_ok}, optional={"top_k": st.integers(0, 5)}),
     "user": st.text(max_size=8),
 }
 
@@ -348,7 +354,8 @@ def post_bodies(draw, path: str):
     if draw(st.integers(0, 19)) == 0:
         return draw(json_values)  # not always an object
     spec = SPECS[path]
-    names = [name for name in sorted(spec.required | {"model"}) if draw(st.integers(0, 19))]  # usually sent
+    usual = spec.required | ({"model"} & spec.known)
+    names = [name for name in sorted(usual) if draw(st.integers(0, 19))]  # usually sent
     optional = sorted(spec.known - spec.required - {"model"})
     if optional:
         names += draw(st.lists(st.sampled_from(optional), unique=True, max_size=6))
@@ -378,6 +385,10 @@ def check_param(path: str, body: dict, r, err: dict) -> None:
     sent_unknown = [k for k in body if k not in spec.known and k not in spec.unimplemented]
     if sent_unknown:  # an unknown field is never served
         assert r.status_code == 400, (r.status_code, err)
+    if r.status_code == 404 and path == "/v1/compare":
+        assert err["code"] == "model_not_found" and param == "models", err
+        assert not set(body["models"]) <= set(COMPARED_NAMES)
+        return
     if r.status_code == 404:
         assert err["code"] == "model_not_found" and param == "model", err
         assert body.get("model") not in MODEL_NAMES
@@ -412,8 +423,8 @@ def fuzz_post_bodies(client, path: str, examples: int) -> None:
 
 
 @pytest.mark.parametrize("path", POST_PATHS)
-def test_fuzz_post_bodies(fake_client, path):
-    fuzz_post_bodies(fake_client, path, EXAMPLES.get(path, 100))
+def test_fuzz_post_bodies(fake_client, pair_client, path):
+    fuzz_post_bodies(pair_client if path == "/v1/compare" else fake_client, path, EXAMPLES.get(path, 100))
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/score"])
@@ -482,7 +493,8 @@ def test_the_hang_guard_fires():
 CMPL = {"model": "tiny", "prompt": "The sky is", "max_tokens": 1}
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 SCORE = {"model": "tiny", "input": "The sky is blue"}
-BASES = {"/v1/completions": CMPL, "/v1/chat/completions": CHAT, "/v1/score": SCORE,
+COMPARE = {"models": ["tiny", "tiny-b"], "input": "The sky is blue"}
+BASES = {"/v1/completions": CMPL, "/v1/chat/completions": CHAT, "/v1/score": SCORE, "/v1/compare": COMPARE,
          "/tokenize": {"model": "tiny", "prompt": "hi"}, "/detokenize": {"model": "tiny", "tokens": [1, 2]}}
 
 # One wrong-typed value per field; the refusal must name the field. The test below checks that every
@@ -491,7 +503,7 @@ WRONG_TYPES = {
     "/v1/completions": {
         "model": 5, "prompt": {"text": "a"}, "max_tokens": "4", "temperature": "hot", "top_p": [1], "n": True,
         "stream": "yes", "logprobs": {"k": 1}, "echo": 0, "stop": 5, "seed": True, "user": 1, "top_k": 1.5,
-        "prompt_logprobs": "all", "vocab_encoding": 16, "output_residual_stream": 3,
+        "prompt_logprobs": "all", "vocab_encoding": 16, "output_residual_stream": 3, "output_lens": 3,
         "add_special_tokens": "false", "return_tokens_as_token_ids": 1, "stream_options": [True],
         "logprob_token_ids": "330", "position_stats": 1, "top_logprobs_p": "0.9", "logprobs_mode": ["raw"],
     },
@@ -500,12 +512,17 @@ WRONG_TYPES = {
         "max_completion_tokens": "1", "temperature": "0", "top_p": {}, "n": 1.5,
         "stream": 1, "stop": {"a": 1}, "seed": "42", "logprobs": 1, "top_logprobs": True, "user": [],
         "top_k": "5", "prompt_logprobs": [0], "vocab_encoding": True, "output_residual_stream": "all",
+        "output_lens": "all",
         "return_tokens_as_token_ids": "true", "stream_options": "usage",
         "logprob_token_ids": [[330]], "position_stats": "true", "top_logprobs_p": [0.5], "logprobs_mode": True,
     },
     "/v1/score": {
         "model": True, "input": 5, "context": 5, "add_bos": "true", "top_logprobs": "3",
         "output_residual_stream": True, "return_tokens_as_token_ids": 0, "user": {"id": 1},
+    },
+    "/v1/compare": {
+        "models": "tiny", "input": 5, "context": ["x"], "add_special_tokens": "true", "return_tokens_as_token_ids": 1,
+        "stream": "no", "user": 3,
     },
     "/tokenize": {"model": 5, "prompt": [1, 2], "add_special_tokens": 1},
     "/detokenize": {"model": {}, "tokens": "1 2"},
@@ -702,10 +719,11 @@ def test_non_json_content_types(fake_client, path):
 
 @pytest.mark.parametrize("path", POST_PATHS)
 @pytest.mark.parametrize("ctype", ["text/plain", None, "application/octet-stream"])
-def test_json_under_another_content_type(fake_client, path, ctype):
+def test_json_under_another_content_type(fake_client, pair_client, path, ctype):
     """The contract is silent: accepting the JSON or refusing the type (415) are both fine, 500 is not."""
     headers = {"content-type": ctype} if ctype else {}
-    r = call(fake_client, "POST", path, raw=orjson.dumps(BASES[path]), headers=headers)
+    client = pair_client if path == "/v1/compare" else fake_client
+    r = call(client, "POST", path, raw=orjson.dumps(BASES[path]), headers=headers)
     err = check_answer(r, allowed={200, 415})
     assert err is None or err["param"] is None
 
@@ -793,8 +811,12 @@ def test_null_model_is_a_missing_model(fake_client, path):
 @pytest.mark.parametrize("path", POST_PATHS)
 @pytest.mark.parametrize("name", ["gpt-4o", "", " tiny", "tiny ", "tiny\x00", "test/tiny-llama/", "../tiny",
                                   "🙂", "a" * 5000])
-def test_unknown_model_is_404_everywhere(fake_client, path, name):
-    err = refuse(fake_client, path, {**BASES[path], "model": name}, status=404, param="model", code="model_not_found")
+def test_unknown_model_is_404_everywhere(fake_client, pair_client, path, name):
+    if path == "/v1/compare":  # two names; either unknown one is the 404
+        body, client, param = {**BASES[path], "models": ["tiny", name]}, pair_client, "models"
+    else:
+        body, client, param = {**BASES[path], "model": name}, fake_client, "model"
+    err = refuse(client, path, body, status=404, param=param, code="model_not_found")
     assert err["type"] == "invalid_request_error"
 
 

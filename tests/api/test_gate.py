@@ -48,7 +48,8 @@ def auth(key):
 
 @pytest.mark.parametrize("path,method", [("/v1/completions", "post"), ("/v1/models", "get"),
                                          ("/v1/score", "post"), ("/tokenize", "post"), ("/detokenize", "post"),
-                                         ("/tokenizer_info", "get"), ("/v1/chat/completions", "post")])
+                                         ("/tokenizer_info", "get"), ("/v1/chat/completions", "post"),
+                                         ("/v1/compare", "post")])
 def test_every_api_path_needs_a_key(keyed, path, method):
     r = getattr(keyed, method)(path, **({"json": BODY} if method == "post" else {}))
     err = envelope(r, 401, "invalid_api_key")

@@ -8,13 +8,14 @@ import re
 import pytest
 from openapi_spec_validator import validate
 
-from logprobe.api import chat, completions, routes, scoring
+from logprobe.api import chat, comparing, completions, routes, scoring
 from logprobe.api.schema import BODIES
 
 ACCEPTED = {
     "/v1/completions": (completions.COMPLETION_FIELDS | set(completions.UNIMPLEMENTED_FIELDS), {"model", "prompt"}),
     "/v1/chat/completions": (chat.CHAT_FIELDS | set(chat.UNIMPLEMENTED_FIELDS), {"model", "messages"}),
     "/v1/score": (scoring.SCORE_FIELDS, {"model", "input"}),
+    "/v1/compare": (comparing.COMPARE_FIELDS, {"models", "input"}),
     "/tokenize": (routes.TOKENIZE_FIELDS, {"prompt"}),
     "/detokenize": (routes.DETOKENIZE_FIELDS, {"tokens"}),
 }
@@ -61,11 +62,14 @@ def test_bounds_and_defaults_are_described(schema):
 
 
 @pytest.mark.parametrize("path", sorted(BODIES))
-def test_examples_are_requests_the_server_takes(fake_client, path):
+def test_examples_are_requests_the_server_takes(fake_client, pair_client, path):
     examples = BODIES[path].model_config["json_schema_extra"]["examples"]
     assert examples
     for example in examples:
-        r = fake_client.post(path, json={**example, "model": "tiny"})
+        if path == "/v1/compare":  # two models, named as in the examples (`base`, `tuned`)
+            r = pair_client.post(path, json=example)
+        else:
+            r = fake_client.post(path, json={**example, "model": "tiny"})
         assert r.status_code == 200, (example, r.text)
 
 

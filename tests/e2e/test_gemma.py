@@ -362,6 +362,19 @@ def test_whole_vocabulary_json_and_float16(server, ref64):
         assert beyond < TOL
 
 
+def test_logit_lens_of_the_last_layer_is_the_model(server):
+    """Gemma's final norm (1 + weight, in float32) and tied head read the last block's output: the lens
+    of the last layer gives the model's own log probabilities; an early layer gives other ones."""
+    out = complete(server, prompt="The capital of France is", max_tokens=2, temperature=0, echo=True, logprobs=0,
+                   output_lens={"layers": [3, -1], "top_k": 2})
+    choice = out["choices"][0]
+    early, last = choice["logit_lens"]["layers"]
+    own = choice["logprobs"]["token_logprobs"]
+    assert len(last["logprobs"]) == len(own) and last["logprobs"][0] is None
+    assert np.max(np.abs(np.array(last["logprobs"][1:]) - np.array(own[1:]))) < 1e-4
+    assert np.max(np.abs(np.array(early["logprobs"][1:]) - np.array(own[1:]))) > 0.1
+
+
 def test_whole_vocabulary_cap(server):
     """The default budget of 256 x 128,256 vocabulary entries gives this 262,144-token vocabulary 125
     positions (SmolLM2's 49,152 tokens keep 256): the card says so and 126 are refused before any work."""

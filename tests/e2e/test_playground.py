@@ -131,6 +131,29 @@ def test_compare_view(page, server, tmp_path):
     shot(page, "compare.png", tmp_path)
 
 
+def test_lens_view(page, server, tmp_path):
+    """Layers x positions: each cell the probability a layer gives its column's token, the API's number."""
+    page.click("#tab-lens")
+    page.fill("#lens-step", "10")
+    page.click("#lens-run")
+    page.wait_for_function("document.querySelector('#lens-status').textContent.startsWith('Read')", timeout=60_000)
+    text = page.input_value("#lens-text")
+    api = httpx.post(server + "/v1/completions", json={"model": MODEL, "prompt": text, "max_tokens": 0,
+                                                       "output_lens": {"layers": [0, 10, 20, 30], "top_k": 3}})
+    lens = api.json()["choices"][0]["logit_lens"]
+    rows = page.locator("#lens-table tbody tr")
+    assert rows.count() == 4 and rows.nth(0).locator("th").inner_text() == "30 (out)"
+    for r, entry in enumerate(reversed(lens["layers"])):
+        cells = rows.nth(r).locator("td")
+        assert cells.count() == len(lens["tokens"])
+        for i in range(1, len(lens["tokens"])):
+            assert math.isclose(float(cells.nth(i).get_attribute("data-p")), math.exp(entry["logprobs"][i]),
+                                rel_tol=1e-4, abs_tol=1e-6)
+            shown = entry["top_tokens"][i][0].replace("\n", "⏎\n").replace("\t", "⇥")  # as the page shows it
+            assert cells.nth(i).text_content() == shown
+    shot(page, "lens.png", tmp_path)
+
+
 def test_phone_sized_screen(browser, server, tmp_path):
     ctx = browser.new_context(viewport={"width": 390, "height": 844})
     pg = ctx.new_page()

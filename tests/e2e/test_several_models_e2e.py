@@ -11,6 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from logprobe.client import compare
+
 pytestmark = pytest.mark.e2e
 
 _spec = importlib.util.spec_from_file_location("logprobe_servers", Path(__file__).parents[2] / "benchmarks" / "servers.py")
@@ -44,3 +46,55 @@ def test_two_models_one_address(two_models, smol_dir):
     assert all(m["engine_steps"] > 0 for m in health["models"].values())
     text = httpx.get(base + "/metrics").text
     assert text.count('logprobe_engine_step_seconds_count{model="') == 2
+
+
+def test_compare_the_same_weights_by_two_routes(two_models, smol_dir):
+    """/v1/compare of the GGUF and its dequantized directory: the same float32 rows, so every divergence
+    is exactly 0 and the likeliest tokens agree; the log probabilities are /v1/score's."""
+    base = two_models.base
+    text = "The capital of France is Paris."
+    r = httpx.post(base + "/v1/compare", json={"models": ["gguf", "dir"], "input": text}, timeout=60)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["models"] == ["HuggingFaceTB/SmolLM2-135M-Instruct-Q4_1", Path(smol_dir).name]
+    pos, num = out["positions"], len(out["token_ids"])
+    assert pos["kl_pq"] == pos["kl_qp"] == pos["js"] == [None] + [0.0] * (num - 1)
+    assert pos["top1_agree"] == [None] + [True] * (num - 1)
+    assert all(a == b for a, b in pos["logprobs"][1:])
+    assert out["summary"]["top1_agreement"] == 1.0 and out["summary"]["mean_js"] == 0.0
+    score = httpx.post(base + "/v1/score", json={"model": "gguf", "input": text, "add_bos": False}).json()["data"][0]
+    assert [lp[0] for lp in pos["logprobs"][1:]] == pytest.approx(score["token_logprobs"][1:], abs=1e-5)
+    r = httpx.post(base + "/v1/compare", json={"models": ["gguf", "smollm2-135m"], "input": text})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "models"
+    got = compare(base, ["gguf", "dir"], " Paris.", context="The capital of France is")
+    assert got.tokens == [" Paris", "."] and got.kl_pq.tolist() == got.js.tolist() == [0.0, 0.0]
+    assert (got.top1[:, 0] == got.top1[:, 1]).all() and (got.logprobs[:, 0] == got.logprobs[:, 1]).all()
+
+
+def test_playground_draws_the_divergence(two_models, smol_dir):
+    """With two models served, the Score view offers the second one and draws its divergence per token."""
+    import os
+    import shutil
+
+    chromium = shutil.which("chromium") or "/usr/bin/chromium"
+    if not os.path.exists(chromium):
+        pytest.skip("Debian's chromium is not installed (the README's test command installs it)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--headless=new", "--no-sandbox", "--disable-gpu"])
+        page = browser.new_page()
+        errors = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(two_models.base + "/")
+        page.wait_for_selector("#score-vs option:nth-child(3)", state="attached")
+        assert page.is_visible("#score-vs-label")
+        page.select_option("#score-vs", Path(smol_dir).name)
+        page.fill("#score-text", "The cat sat on the mat.")
+        page.click("#score-run")
+        page.wait_for_function("document.querySelector('#score-status').textContent.startsWith('Scored')")
+        assert page.is_visible("#score-divergence-figure")
+        assert page.locator("#score-divergence svg polyline").count() == 2  # KL and Jensen-Shannon
+        assert "top-1 agreement 100%" in page.inner_text("#score-totals")
+        browser.close()
+    assert not errors, errors

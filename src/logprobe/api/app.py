@@ -165,8 +165,8 @@ class Gate:
         access_log.info(orjson.dumps(line).decode())
 
 
-KNOWN_PATHS = {"/v1/completions", "/v1/chat/completions", "/v1/score", "/v1/models", "/tokenize", "/detokenize",
-               "/tokenizer_info", "/health", "/metrics", "/"}
+KNOWN_PATHS = {"/v1/completions", "/v1/chat/completions", "/v1/score", "/v1/compare", "/v1/models", "/tokenize",
+               "/detokenize", "/tokenizer_info", "/health", "/metrics", "/"}
 
 
 def _request_id(request: Request) -> str:

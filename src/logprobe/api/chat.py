@@ -21,7 +21,7 @@ from ..output.instruments import chat_tops_with_token
 from ..output.logprobs import TokenNamer, chat_logprobs_content
 from . import validation as v
 from .common import (ResidualRequest, check_request_caps, check_text_length, instrument_blocks, parse_shared,
-                     prompt_logprobs_parts, residual_layers, residual_of)
+                     prompt_logprobs_parts, residual_layers, residual_of, lens_of)
 from .errors import InvalidRequest
 from .streaming import sse
 
@@ -29,7 +29,7 @@ CHAT_FIELDS = {
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream",
     "stream_options", "stop", "seed", "logprobs", "top_logprobs", "user",
     # logprobe / vLLM extensions
-    "top_k", "prompt_logprobs", "vocab_encoding", "output_residual_stream", "return_tokens_as_token_ids",
+    "top_k", "prompt_logprobs", "vocab_encoding", "output_residual_stream", "output_lens", "return_tokens_as_token_ids",
     "logprob_token_ids", "position_stats", "top_logprobs_p", "logprobs_mode",
 }
 UNIMPLEMENTED_FIELDS = {
@@ -190,6 +190,8 @@ def format_response(backend, req: ChatRequest, request: GenerationRequest, out: 
                   "logprobs": logprobs, "finish_reason": seq.finish_reason}
         if req.residual is not None:
             choice["residual_stream"] = residual_of(backend, req.residual, seq)
+        if params.lens_layers:
+            choice["logit_lens"] = lens_of(backend, namer, params, request.prompt_ids, seq)
         if params.needs_position_columns:
             choice.update(instrument_blocks(params, namer, out.prompt_columns, _listed(backend, seq)))
         if params.logprobs_mode == "both":

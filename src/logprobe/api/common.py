@@ -16,7 +16,7 @@ import orjson
 from ..config import Limits
 from ..backend import PromptColumns, SamplingParams
 from ..output.instruments import logprob_token_ids_block, position_stats_block
-from ..output.logprobs import TokenNamer, ranks_of_top
+from ..output.logprobs import TokenNamer, ranks_of_top, wire_floats
 from ..output.prompt_json import PromptLogprobsEncoder, iter_dense
 from ..output.residual import residual_payload
 from . import validation as v
@@ -71,6 +71,31 @@ def parse_residual(value) -> ResidualRequest | None:
     if not isinstance(encoding, str) or encoding not in ("base64", "json"):
         raise InvalidRequest(f"Invalid value for '{name}': 'encoding' must be base64 or json.", name + ".encoding")
     return ResidualRequest(list(layers), dtype, encoding)
+
+
+def parse_lens(value, limits: Limits) -> dict:
+    """`output_lens`: a list of layer indices, or {"layers", "top_k"} (SamplingParams keywords)."""
+    name = "output_lens"
+    if value is None:
+        return {}
+    if isinstance(value, list):
+        value = {"layers": value}
+    if not isinstance(value, dict):
+        raise v.type_error(name, "an array of layer indices or an object")
+    with inside(name):
+        v.check_known_fields(value, {"layers", "top_k"}, {})
+    layers = value.get("layers")
+    if not isinstance(layers, list) or not layers or not all(
+            isinstance(x, int) and not isinstance(x, bool) for x in layers):
+        raise InvalidRequest(f"Invalid value for '{name}': 'layers' must be a non-empty array of layer "
+                             "indices.", name)
+    top_k = value.get("top_k", 5)
+    if top_k is None:
+        top_k = 5
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or not 0 <= top_k <= limits.max_logprobs:
+        raise InvalidRequest(f"Invalid value for '{name}': 'top_k' must be an integer from 0 to "
+                             f"{limits.max_logprobs}.", name + ".top_k")
+    return {"lens_layers": tuple(layers), "lens_top_k": top_k}
 
 
 LOGPROBS_MODES = ("raw", "processed", "both")
@@ -169,6 +194,11 @@ def parse_shared(body: dict, limits: Limits) -> SharedFields:
     if stream and residual is not None:
         raise InvalidRequest("'output_residual_stream' does not work with 'stream': true. Send the request "
                              "without streaming to get activations.", "output_residual_stream")
+    lens = parse_lens(body.get("output_lens"), limits)
+    if stream and lens:
+        raise InvalidRequest("'output_lens' does not work with 'stream': true. Send the request without "
+                             "streaming to get the logit lens.", "output_lens")
+    sampling.update(lens)
     return SharedFields(
         sampling=sampling, stream=stream, include_usage=include_usage, vocab_encoding=vocab_encoding,
         residual=residual,
@@ -237,6 +267,19 @@ def check_request_caps(backend, prompts: list[list[int]], params: SamplingParams
         if bad:
             raise InvalidRequest(f"Invalid value for 'logprob_token_ids': token id {bad[0]} is outside the "
                                  f"vocabulary (0 to {vocab - 1}).", "logprob_token_ids")
+    if params.lens_layers:
+        num_layers = backend.info.num_layers
+        bad = [x for x in params.lens_layers if not -(num_layers + 1) <= x <= num_layers]
+        if bad:
+            raise InvalidRequest(f"Invalid value for 'output_lens': layer {bad[0]} does not exist; this model "
+                                 f"has layers 0 to {num_layers} (or -{num_layers + 1} to -1).", "output_lens")
+        layers = len({x % (num_layers + 1) for x in params.lens_layers})
+        rows = sum(len(ids) + params.max_tokens for ids in prompts) * layers * params.n
+        if rows > limits.max_lens_rows:
+            raise InvalidRequest(
+                f"Too many logit-lens rows: positions x layers x n, summed over the prompts, is {rows}, over "
+                f"this server's cap of {limits.max_lens_rows} (max_lens_rows). Each row is a pass of the "
+                "head over the whole vocabulary; ask for fewer layers, positions or choices.", "output_lens")
     if params.needs_prompt_logits:
         if positions > limits.max_prompt_logprob_positions:
             param = positions_param or positions_field(params)
@@ -325,6 +368,28 @@ def instrument_blocks(params: SamplingParams, namer: TokenNamer, pc: PromptColum
     if params.position_stats or params.top_logprobs_p is not None:
         out["position_stats"] = position_stats_block(prompt, pc.ranks if pc is not None else None, generated, namer)
     return out
+
+
+def lens_of(backend, namer: TokenNamer, params: SamplingParams, prompt_ids, seq) -> dict | None:
+    """A choice's `logit_lens` block: for each asked layer (as normalized, in the order asked), every
+    position's token log probability and rank under that layer's residual stream read through the final
+    norm and the head, and its top-k (position 0: null, as in prompt_logprobs)."""
+    if seq.lens is None:
+        return None
+    top = backend.info.num_layers + 1
+    ids = [int(t) for t in prompt_ids] + [int(t) for t in seq.token_ids]
+    layers = []
+    for layer in dict.fromkeys(x % top for x in params.lens_layers):
+        cols = seq.lens[layer]
+        entry = {"layer": layer, "logprobs": [None] + wire_floats(cols.logprobs[1:len(ids)]).tolist(),
+                 "ranks": [None] + cols.ranks[1:len(ids)].tolist()}
+        if params.lens_top_k:
+            top_ids = cols.top_ids[1:len(ids), :params.lens_top_k]
+            entry["top_token_ids"] = [None] + top_ids.tolist()
+            entry["top_tokens"] = [None] + [namer.names(row) for row in top_ids]
+            entry["top_logprobs"] = [None] + wire_floats(cols.top_logprobs[1:len(ids), :params.lens_top_k]).tolist()
+        layers.append(entry)
+    return {"token_ids": ids, "tokens": namer.names(np.asarray(ids, dtype=np.int64)), "layers": layers}
 
 
 def residual_layers(backend, residual: ResidualRequest | None) -> tuple[int, ...]:

@@ -19,7 +19,7 @@ from ..output.instruments import asked_ids_top, join_legacy
 from ..output.logprobs import TokenNamer, legacy_logprobs
 from . import validation as v
 from .common import (Parts, ResidualRequest, check_request_caps, check_text_length, instrument_blocks, parse_shared,
-                     prompt_logprobs_parts, residual_layers, residual_of)
+                     prompt_logprobs_parts, residual_layers, residual_of, lens_of)
 from .errors import InvalidRequest
 from .streaming import sse
 
@@ -27,7 +27,7 @@ COMPLETION_FIELDS = {
     "model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "logprobs",
     "echo", "stop", "seed", "user",
     # logprobe / vLLM extensions
-    "top_k", "prompt_logprobs", "vocab_encoding", "output_residual_stream", "add_special_tokens",
+    "top_k", "prompt_logprobs", "vocab_encoding", "output_residual_stream", "output_lens", "add_special_tokens",
     "return_tokens_as_token_ids", "logprob_token_ids", "position_stats", "top_logprobs_p", "logprobs_mode",
 }
 # OpenAI fields logprobe does not implement: accepted only at these neutral values (the last is shown).
@@ -196,6 +196,8 @@ def format_response(backend, req: CompletionRequest, requests: list[GenerationRe
             }
             if req.residual is not None:
                 choice["residual_stream"] = residual_of(backend, req.residual, seq)
+            if params.lens_layers:
+                choice["logit_lens"] = lens_of(backend, namer, params, prompt_ids, seq)
             if params.needs_position_columns:
                 choice.update(instrument_blocks(params, namer, out.prompt_columns, seq.extras))
             if params.logprobs_mode == "both":

@@ -13,7 +13,7 @@ from starlette.responses import Response, StreamingResponse
 from ..backend import BackendUnavailable, GenerationOutput, GenerationRequest
 from . import chat
 from . import completions as cmpl
-from . import scoring
+from . import comparing, scoring
 from .common import Parts, iter_body
 from .streaming import stream_sse
 from . import validation as v
@@ -86,7 +86,26 @@ async def run_while_connected(request: Request, backend, requests: list[Generati
     """Run requests on the backend; if the client disconnects first, abort them (the backend drops them
     before their next step) instead of finishing work nobody will read; the same, with 504, when they
     run past the request time-out. A backend that lost the requests (a replica died) answers 503."""
-    run = asyncio.ensure_future(backend.run(requests))
+    (outputs,) = await run_jobs_while_connected(request, [(backend, requests)])
+    return outputs
+
+
+async def run_jobs(jobs: list[tuple]) -> list[list[GenerationOutput]]:
+    """Run each (backend, requests) job at the same time; when one fails or the whole is cancelled, the
+    others are cancelled too (their backends abort them), and waited for."""
+    tasks = [asyncio.ensure_future(backend.run(requests)) for backend, requests in jobs]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def run_jobs_while_connected(request: Request, jobs: list[tuple]) -> list[list[GenerationOutput]]:
+    """run_while_connected for (backend, requests) jobs on one or more backends, run at the same time."""
+    single = len(jobs) == 1  # one backend: its own run, without a wrapping task
+    run = asyncio.ensure_future(jobs[0][0].run(jobs[0][1]) if single else run_jobs(jobs))
 
     async def wait_for_disconnect():
         while (await request.receive())["type"] != "http.disconnect":
@@ -106,7 +125,7 @@ async def run_while_connected(request: Request, backend, requests: list[Generati
             raise Timeout(f"The request ran longer than this server's limit of {timeout:g} s (request_timeout) "
                           "and was stopped.")
     try:
-        return run.result()
+        return [run.result()] if single else run.result()
     except BackendUnavailable as exc:
         raise BackendLost(str(exc) or "The model replica serving this request went away; try again.") from None
 
@@ -152,16 +171,25 @@ class HeldStream(StreamingResponse):
 
 
 async def run_held(request: Request, backend, requests: list[GenerationRequest]):
+    hold, (outputs,) = await run_held_jobs(request, [(backend, requests)])
+    return hold, outputs
+
+
+async def run_held_jobs(request: Request, jobs: list[tuple]):
+    """Hold the tokens of every (backend, requests) job at once (one hold: the capacity counts them
+    all), run the jobs, give the hold back. Returns the hold and each job's outputs."""
+    requests = [r for _, job_requests in jobs for r in job_requests]
     hold = await admit(request, requests)
-    outputs, lost = None, False
+    results, lost = None, False
     try:
-        outputs = await run_while_connected(request, backend, requests)
+        results = await run_jobs_while_connected(request, jobs)
     except BackendLost:
         lost = True
         raise
     finally:
-        release(request, hold, requests, sum(o.num_generated for o in outputs) if outputs else 0, lost)
-    return hold, outputs
+        generated = sum(o.num_generated for outputs in results for o in outputs) if results else 0
+        release(request, hold, requests, generated, lost)
+    return hold, results
 
 
 def stream_held(request: Request, backend, requests, hold, k: int, format_deltas, final_chunks) -> StreamingResponse:
@@ -299,6 +327,27 @@ async def score(request: Request):
     requests = scoring.build_requests(backend, req, items, request.state.request_id)
     hold, outputs = await run_held(request, backend, requests)
     return with_headers(_json(scoring.format_response(backend, req, items, outputs)), hold.headers)
+
+
+@router.post("/v1/compare")
+async def compare(request: Request):
+    """Two served models that share a tokenizer, on the same tokens: at each position KL(p||q), KL(q||p)
+    and Jensen-Shannon divergence (nats) of their next-token distributions, each one's likeliest token
+    and whether they agree, and each one's log probability of the actual token. No generation."""
+    limits = request.app.state.limits
+    req = comparing.parse_compare(await read_json(request))
+    pair = comparing.resolve_pair(req, lambda name: resolve_model(request, name))
+    comparing.check_same_vocabulary(*pair)
+    item = await run_in_threadpool(comparing.tokenize_item, pair, req)
+    comparing.check_caps(pair, item, limits)
+    requests = comparing.build_requests(pair, item, request.state.request_id)
+    hold, results = await run_held_jobs(request, [(backend, [r]) for backend, r in zip(pair, requests)])
+    outputs = [outputs[0] for outputs in results]
+    try:  # two [P, V] rows compared in float64: off the event loop
+        payload = await run_in_threadpool(comparing.format_response, pair, req, item, outputs)
+    finally:
+        release_arrays(outputs)
+    return with_headers(_json(payload), hold.headers)
 
 
 @router.get("/v1/models")

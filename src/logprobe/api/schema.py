@@ -41,6 +41,14 @@ class ResidualStreamOptions(Body):
 ResidualStream = Union[list[int], ResidualStreamOptions]
 
 
+class LensOptions(Body):
+    layers: list[int] = Field(..., min_length=1, description="Layer indices, as for output_residual_stream.")
+    top_k: int = Field(5, ge=0, le=_L.max_logprobs, description="The k likeliest tokens at each position.")
+
+
+Lens = Union[list[int], LensOptions]
+
+
 class _Sampling(Body):
     """Fields completions and chat share."""
 
@@ -63,6 +71,10 @@ class _Sampling(Body):
                                                                  "little-endian array.")
     output_residual_stream: ResidualStream | None = Field(None, description="Activations at these layers for "
                                                           "every prompt and generated position. Not with stream.")
+    output_lens: Lens | None = Field(None, description="The logit lens: these layers read through the final "
+                                     "norm and the head at every prompt and generated position (log probability "
+                                     "and rank of each token, the k likeliest). Cap: --max-lens-rows. Not with "
+                                     "stream.")
     return_tokens_as_token_ids: bool | None = Field(False, description="Tokens as `token_id:N`.")
     logprob_token_ids: list[int] | None = Field(None, max_length=_L.max_logprob_token_ids, description=(
         "These token ids' log probabilities and ranks at every prompt and generated position (the "
@@ -171,6 +183,27 @@ class ScoreBody(Body):
     user: str | None = Field(None, description="Recorded, unused.")
 
 
+class CompareBody(Body):
+    """POST /v1/compare."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"models": ["base", "tuned"], "input": "The cat sat on the mat."},
+        {"models": ["base", "tuned"], "context": "Question: 2 + 2 = ?\nAnswer:", "input": " 4"},
+    ]})
+
+    models: list[str] = Field(..., min_length=2, max_length=2, description="Two different served models "
+                              "(names or aliases) that share a tokenizer: p is the first, q the second.")
+    input: str | list[int] = Field(..., description="The text or token ids compared (cap: the models' "
+                                   "limits.vocab_positions tokens, context included).")
+    context: str | None = Field(None, description="Conditioned on but not compared; tokenized apart from the "
+                                "input and put in front.")
+    add_special_tokens: bool | None = Field(True, description="Let the tokenizer add its special tokens (BOS) "
+                                            "in front of the text.")
+    return_tokens_as_token_ids: bool | None = Field(False, description="Tokens as `token_id:N`.")
+    stream: Literal[False] | None = Field(None, description="Not offered: false or null.")
+    user: str | None = Field(None, description="Recorded, unused.")
+
+
 class TokenizeBody(Body):
     """POST /tokenize."""
 
@@ -196,6 +229,7 @@ BODIES: dict[str, type[Body]] = {
     "/v1/completions": CompletionBody,
     "/v1/chat/completions": ChatBody,
     "/v1/score": ScoreBody,
+    "/v1/compare": CompareBody,
     "/tokenize": TokenizeBody,
     "/detokenize": DetokenizeBody,
 }

@@ -3,7 +3,8 @@
     from logprobe.client import dense_prompt_logprobs, whole_vocab_of_generated
 
 `dense_prompt_logprobs` turns the dense form of `prompt_logprobs: -1` into a [P, V] array;
-`whole_vocab_of_generated` runs the four steps of "Get the whole vocabulary for generated tokens".
+`whole_vocab_of_generated` runs the four steps of "Get the whole vocabulary for generated tokens";
+`score`, `residual_stream` and `compare` call /v1/score and /v1/compare and return numpy columns.
 """
 
 from __future__ import annotations
@@ -140,6 +141,44 @@ def score(base_url: str, model: str, text, context=None, add_bos: bool = True, t
                   np.array([0 if x is None else x for x in d["token_ranks"]], dtype=np.int64),
                   d["text_offset"], d["logprob"], d["mean_logprob"], d["perplexity"], d["is_greedy"], d)
             for d in data]
+
+
+@dataclass
+class Comparison:
+    """Two models on one text (POST /v1/compare), one row per input token: NaN (top-1: -1) where a token
+    has nothing before it, and the wire's 9999.0 / -9999.0 read back as inf / -inf."""
+
+    models: list[str]
+    tokens: list[str]
+    token_ids: np.ndarray
+    kl_pq: np.ndarray  # [T] nats, KL(first || second)
+    kl_qp: np.ndarray  # [T] nats
+    js: np.ndarray  # [T] nats
+    top1: np.ndarray  # [T, 2] each model's likeliest token id
+    logprobs: np.ndarray  # [T, 2] each model's log probability of the token
+    summary: dict
+    raw: dict
+
+
+def compare(base_url: str, models: list[str], text, context: str | None = None, add_special_tokens: bool = True,
+            api_key: str | None = None, timeout: float = 600.0) -> Comparison:
+    """POST /v1/compare: per-token KL both ways, Jensen-Shannon, top-1 and log probabilities of two served
+    models that share a tokenizer, as numpy columns."""
+    body = {"models": list(models), "input": text, "add_special_tokens": add_special_tokens}
+    if context is not None:
+        body["context"] = context
+    out = _request(base_url, "/v1/compare", body, api_key, timeout)
+    pos = out["positions"]
+
+    def column(values, fill, width=None):
+        empty = [fill] * width if width else fill
+        array = np.array([empty if x is None else x for x in values], dtype=np.float64)
+        return np.where(np.abs(array) >= 9999.0, np.copysign(np.inf, array), array)
+
+    top1 = np.array([[-1, -1] if x is None else x for x in pos["top1"]], dtype=np.int64).reshape(-1, 2)
+    return Comparison(out["models"], out["tokens"], np.asarray(out["token_ids"]), column(pos["kl_pq"], np.nan),
+                      column(pos["kl_qp"], np.nan), column(pos["js"], np.nan), top1,
+                      column(pos["logprobs"], np.nan, 2).reshape(-1, 2), out["summary"], out)
 
 
 def residual_arrays(residual_stream: dict) -> dict[int, np.ndarray]:

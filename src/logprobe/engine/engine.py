@@ -448,6 +448,8 @@ class Engine:
             self.scheduler.finished(group)
             if group.params.residual_layers:
                 self._capture_residual(group)
+            if group.params.lens_layers:
+                self._capture_lens(group)
         if group.on_step is not None:
             try:
                 group.on_step(group)
@@ -468,6 +470,18 @@ class Engine:
             if ids not in by_tokens:
                 by_tokens[ids] = self.runner.residual_stream(list(ids), layers)
             seq.residual = by_tokens[ids]
+
+    def _capture_lens(self, group: SequenceGroup) -> None:
+        """The logit lens of every kept token of each choice, prompt then generated: one pass over the
+        whole sequence, as for activations."""
+        params = group.params
+        layers = sorted({layer % (self.info.num_layers + 1) for layer in params.lens_layers})
+        by_tokens: dict[tuple[int, ...], dict] = {}
+        for seq in group.sequences:
+            ids = tuple(group.prompt_ids) + tuple(seq.token_ids[:seq.num_kept_tokens])
+            if ids not in by_tokens:
+                by_tokens[ids] = self.runner.logit_lens(list(ids), layers, params.lens_top_k)
+            seq.lens = by_tokens[ids]
 
     def _postprocess(self, group: SequenceGroup, lsm: torch.Tensor) -> None:
         """Sample a token for each active row, record its log probability and top-k (and what the request

@@ -237,6 +237,12 @@ class FastRunner(ModelRunner):
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return torch.log_softmax(logits, dim=-1)
 
+    def apply_final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.final_norm(hidden)
+
+    def head_dtype(self) -> torch.dtype:
+        return self.dtype
+
     # ---- activations ---------------------------------------------------------------------------
     @torch.inference_mode()
     def residual_stream(self, ids: list[int], layers: list[int]) -> dict[int, np.ndarray]:

@@ -45,6 +45,7 @@ class Sequence:
         self.num_kept: int | None = None  # tokens kept after a stop string cut the text
         self.text_end: int | None = None  # length of the generated text after the cut
         self.residual: dict[int, np.ndarray] | None = None  # layer -> [prompt + kept tokens, D]
+        self.lens: dict | None = None  # layer -> PromptColumns of prompt + kept tokens (logit lens)
         self.rows: RowLog | None = None  # instrument rows, for a request that asked (instruments.py)
 
     @property
@@ -59,7 +60,7 @@ class Sequence:
         ids, lps, top_ids, top_lps = self.columns(k)
         text = self.text.text if self.text_end is None else self.text.text[: self.text_end]
         out = ChoiceOutput(self.index, ids, lps, top_ids, top_lps, list(self.text.offsets[: len(ids)]), text,
-                           self.finish_reason.value, len(self.token_ids), self.residual)
+                           self.finish_reason.value, len(self.token_ids), self.residual, self.lens)
         if params.needs_position_columns or params.records_processed:
             self.add_instruments(out, k, params)
         return out

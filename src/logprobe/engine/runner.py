@@ -197,6 +197,32 @@ class ModelRunner:
                 h.remove()
         return {layer: store[layer].numpy() for layer in store}
 
+    def apply_final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's final norm (what its last block's output goes through before the head)."""
+        return self.decoder.norm(hidden)
+
+    @torch.inference_mode()
+    def logit_lens(self, ids: list[int], layers: list[int], k: int) -> dict[int, PromptColumns]:
+        """{layer: columns of `ids`} with each asked layer's residual stream read as if it were the last
+        block's output: the final norm, the head, log_softmax in float32. Row i holds token i's log
+        probability and rank under the state at position i - 1 and the k likeliest tokens there (row 0
+        is empty), reduced chunk by chunk as prompt log probabilities are."""
+        states = self.residual_stream(ids, layers)
+        dtype = self.head_dtype()
+        target = torch.tensor(ids, dtype=torch.long, device=self.device)
+        params = SamplingParams(prompt_logprobs=k)
+        out = {}
+        for layer in layers:
+            hidden = torch.from_numpy(states[layer]).to(self.device, dtype)  # float32 of the model's values
+            cols = self.new_prompt_columns(len(ids), params)
+            self.fill_prompt_columns(cols, self.apply_final_norm(hidden), target, 0)
+            out[layer] = cols
+        return out
+
+    def head_dtype(self) -> torch.dtype:
+        """The dtype the final norm and the head take."""
+        return next(self.model.parameters()).dtype
+
     # ---- the interface the engine's step loop uses (the fast runner implements the same) -------
     supports_batched_decode = False
 

@@ -1,6 +1,7 @@
 // logprobe playground: plain JavaScript over the public API (no build step, nothing fetched from
-// elsewhere). Score: tokens coloured by surprisal, alternatives, charts. Generate: a streamed
-// continuation with alternatives and branching. Compare: several texts side by side.
+// elsewhere). Score: tokens coloured by surprisal, alternatives, charts, and (with two models served)
+// their divergence at each token. Generate: a streamed continuation with alternatives and branching.
+// Compare: several texts side by side.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -198,6 +199,33 @@ async function entropies(item) {            // entropy (bits) of each position's
   });
 }
 
+async function divergenceFrom(item, other) {  // POST /v1/compare over the scored tokens, aligned with them
+  const prompt = (state.bosId !== null ? [state.bosId] : []).concat(item.token_ids);
+  const out = await api("/v1/compare", { models: [state.model, other], input: prompt });
+  const offset = state.bosId !== null ? 1 : 0;
+  const series = (name) => item.token_ids.map((_, i) => {
+    const v = out.positions[name][i + offset];
+    return v === null || v === undefined || v >= 9999 ? null : v / LN2;   // 9999.0 stands for infinity
+  });
+  return { out, js: series("js"), kl: series("kl_pq") };
+}
+
+async function showDivergence(item) {
+  const other = $("score-vs").value, figure = $("score-divergence-figure");
+  figure.hidden = true;
+  if (!other || other === state.model) return;
+  setStatus("score-status", `Comparing with ${other}…`);
+  const { out, js, kl } = await divergenceFrom(item, other);
+  figure.hidden = false;
+  $("score-divergence-caption").textContent = `Divergence of ${other} from ${state.model} at each token (bits)`;
+  lineChart($("score-divergence"), [
+    { name: "KL(this‖other)", colour: "#8a3ffc", values: kl },
+    { name: "Jensen–Shannon", colour: "#0b7a5c", dash: "5 4", values: js }], item.tokens);
+  const s = out.summary;
+  $("score-totals").appendChild(el("span", { id: "total-agreement" },
+    s.top1_agreement === null ? "top-1 agreement –" : `top-1 agreement ${Math.round(100 * s.top1_agreement)}%`));
+}
+
 function selectScoreToken(i) {
   const item = state.score;
   document.querySelectorAll("#score-tokens .tok").forEach((s, j) => s.classList.toggle("selected", i === j));
@@ -231,6 +259,7 @@ async function runScore() {
     }
     lineChart($("score-line"), series, item.tokens);
     selectScoreToken(item.tokens.length - 1);
+    await showDivergence(item);
     setStatus("score-status", `Scored ${item.num_tokens} tokens.`);
   } catch (e) { setStatus("score-status", e.message, true); }
 }
@@ -310,9 +339,46 @@ async function runCompare() {
   } catch (e) { setStatus("compare-status", e.message, true); }
 }
 
+// ---- Lens view --------------------------------------------------------------------------------
+async function runLens() {
+  const text = $("lens-text").value;
+  if (!text.trim()) { setStatus("lens-status", "Write a text.", true); return; }
+  setStatus("lens-status", "Reading the layers…");
+  try {
+    const card = await api(`/v1/models/${encodeURIComponent(state.model)}`);
+    const step = Math.max(1, Number($("lens-step").value) || 1), layers = [];
+    for (let l = 0; l < card.num_layers; l += step) layers.push(l);
+    layers.push(card.num_layers);
+    const out = await api("/v1/completions", { model: state.model, prompt: text, max_tokens: 0,
+      output_lens: { layers, top_k: 3 } });
+    const lens = out.choices[0].logit_lens;
+    const table = $("lens-table"); table.replaceChildren();
+    const head = el("tr", {}); head.appendChild(el("th", { scope: "col" }, "layer"));
+    lens.tokens.forEach((t) => head.appendChild(el("th", { scope: "col" }, visible(t))));
+    table.appendChild(el("thead")).appendChild(head);
+    const body = table.appendChild(el("tbody"));
+    for (const entry of [...lens.layers].reverse()) {   // the model's own distribution on top
+      const tr = el("tr", {});
+      tr.appendChild(el("th", { scope: "row" }, entry.layer === card.num_layers ? `${entry.layer} (out)` : String(entry.layer)));
+      entry.logprobs.forEach((lp, i) => {
+        if (lp === null) { tr.appendChild(el("td", { class: "lens-cell" }, "")); return; }
+        const p = Math.exp(lp), before = entry.top_tokens[i] || [];   // the likeliest tokens after token i - 1
+        const title = `layer ${entry.layer}, token ${JSON.stringify(lens.tokens[i])}: p = ${fmt(p)}, rank ${entry.ranks[i]}; ` +
+          `likeliest: ${before.map((t, j) => `${JSON.stringify(t)} ${fmt(Math.exp(entry.top_logprobs[i][j]), 3)}`).join(", ")}`;
+        const td = el("td", { class: "lens-cell", title, "data-p": p.toFixed(6) }, visible(before[0] || ""));
+        td.style.background = `rgba(40, 87, 197, ${Math.min(1, 0.08 + p)})`;
+        td.style.color = p > 0.5 ? "white" : "black";
+        tr.appendChild(td);
+      });
+      body.appendChild(tr);
+    }
+    setStatus("lens-status", `Read ${lens.layers.length} layers at ${lens.tokens.length} positions.`);
+  } catch (e) { setStatus("lens-status", e.message, true); }
+}
+
 // ---- set-up -----------------------------------------------------------------------------------
 function showView(name) {
-  for (const v of ["score", "generate", "compare"]) {
+  for (const v of ["score", "generate", "compare", "lens"]) {
     $("view-" + v).hidden = v !== name;
     $("tab-" + v).setAttribute("aria-selected", String(v === name));
   }
@@ -325,6 +391,10 @@ async function loadModels() {
     const sel = $("model"); sel.replaceChildren();
     for (const m of models.data) sel.appendChild(el("option", { value: m.id }, m.id));
     state.model = sel.value;
+    const vs = $("score-vs");             // a second model to compare with, when the server has one
+    vs.replaceChildren(el("option", { value: "" }, "(none)"));
+    for (const m of models.data) vs.appendChild(el("option", { value: m.id }, m.id));
+    $("score-vs-label").hidden = models.data.length < 2;
     const info = await api("/tokenizer_info");
     state.bosId = info.bos_token_id;
     setStatus("score-status", "Ready.");
@@ -334,7 +404,8 @@ async function loadModels() {
 $("api-key").value = sessionStorage.getItem("logprobe-key") || "";
 $("api-key").addEventListener("change", (e) => { sessionStorage.setItem("logprobe-key", e.target.value); loadModels(); });
 $("model").addEventListener("change", (e) => { state.model = e.target.value; });
-["score", "generate", "compare"].forEach((v) => $("tab-" + v).addEventListener("click", () => showView(v)));
+["score", "generate", "compare", "lens"].forEach((v) => $("tab-" + v).addEventListener("click", () => showView(v)));
+$("lens-run").addEventListener("click", runLens);
 $("score-run").addEventListener("click", runScore);
 $("gen-run").addEventListener("click", () => generate($("gen-prompt").value, []));
 $("gen-stop").addEventListener("click", () => { if (state.gen.controller) state.gen.controller.abort(); });
