@@ -243,13 +243,29 @@ class FastRunner(ModelRunner):
     def head_dtype(self) -> torch.dtype:
         return self.dtype
 
+    def _causal_attend(self, length: int):
+        """`attend` for a pass over positions 0..length-1 without a cache: the causal mask (with each
+        sliding window's band where the model has them)."""
+        masks = {None: None}  # full attention: is_causal
+        if self.window_sizes:
+            masks = self._bands(torch.ones(length, length, dtype=torch.bool, device=self.device).tril(), 0)
+            masks[None] = None
+        windows = self.windows
+
+        def attend(layer, q, k, v):
+            mask = masks[windows[layer]]
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,
+                                                  enable_gqa=self.kv_heads != self.num_heads)
+
+        return attend
+
     # ---- activations ---------------------------------------------------------------------------
     @torch.inference_mode()
     def residual_stream(self, ids: list[int], layers: list[int]) -> dict[int, np.ndarray]:
         """{layer: [len(ids), D] float32} from one pass of the lean blocks over `ids` without a cache
         (the same layers as transformers' hooks give: layer 0 enters block 0, layer l leaves block l,
         before the final norm); the pass stops after the deepest asked layer. On the lean path because
-        in bfloat16 transformers' own copies of the weights are released (`release_module_weights`)."""
+        in bfloat16 transformers' own copies of the weights are released (`_release`)."""
         wanted, deepest, store = set(layers), max(layers), {}
 
         def capture(layer, x):
@@ -259,20 +275,9 @@ class FastRunner(ModelRunner):
                 raise _Captured
 
         t = len(ids)
-        masks = {None: None}  # full attention: is_causal
-        if self.window_sizes:
-            masks = self._bands(torch.ones(t, t, dtype=torch.bool, device=self.device).tril(), 0)
-            masks[None] = None
-        windows = self.windows
-
-        def attend(layer, q, k, v):
-            mask = masks[windows[layer]]
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,
-                                                  enable_gqa=self.kv_heads != self.num_heads)
-
         try:
             self._run(torch.tensor([ids], dtype=torch.long, device=self.device),
-                      torch.arange(t, device=self.device)[None], attend, capture=capture)
+                      torch.arange(t, device=self.device)[None], self._causal_attend(t), capture=capture)
         except _Captured:
             pass
         return {layer: store[layer].numpy() for layer in store}
@@ -319,18 +324,7 @@ class FastRunner(ModelRunner):
             ids[row, :lengths[row]] = torch.tensor(g.prompt_ids, dtype=torch.long)
         ids = ids.to(self.device)
         positions = torch.arange(longest, device=self.device)[None].expand(len(groups), -1)
-        masks = {None: None}  # full attention: is_causal
-        if self.window_sizes:
-            masks = self._bands(torch.ones(longest, longest, dtype=torch.bool, device=self.device).tril(), 0)
-            masks[None] = None
-        windows = self.windows
-
-        def attend(layer, q, k, v):
-            mask = masks[windows[layer]]
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,
-                                                  enable_gqa=self.kv_heads != self.num_heads)
-
-        hidden = self._run(ids, positions, attend)
+        hidden = self._run(ids, positions, self._causal_attend(longest))
         for row, g in enumerate(groups):
             if g.params.needs_prompt_logits:
                 n = lengths[row]
