@@ -248,9 +248,11 @@ def test_whole_vocabulary_rows_and_activations_are_let_go_after_the_answer(clien
     from logprobe.backend import ChoiceOutput, PromptColumns
 
     def held():
+        # type() rather than isinstance(): isinstance reads __class__, which some module stand-ins in
+        # gc's list answer with a deprecation warning
         return {id(o) for o in gc.get_objects()
-                if (isinstance(o, PromptColumns) and o.full is not None)
-                or (isinstance(o, ChoiceOutput) and o.residual is not None)}
+                if (type(o) is PromptColumns and o.full is not None)
+                or (type(o) is ChoiceOutput and o.residual is not None)}
 
     gc.collect()
     before = held()
