@@ -19,17 +19,14 @@ RESIDUAL_RTOL = 1e-5."""
 
 from __future__ import annotations
 
-import os
 import random
-import subprocess
 import sys
-import tempfile
-import time
 
 import httpx
 import numpy as np
 import orjson
 import pytest
+import serve_process
 
 from logprobe.engine import loader
 
@@ -55,14 +52,6 @@ _FORCE_TRANSFORMERS = ("import sys; from logprobe.engine import fast_runner; "
                        "from logprobe.cli import main; sys.exit(main(sys.argv[1:]))")
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _note(kind: str, value: float) -> float:
     MEASURED[kind] = max(MEASURED.get(kind, 0.0), float(value))
     return float(value)
@@ -79,26 +68,11 @@ def _report_measured():
 @pytest.fixture(scope="module", params=["auto", "transformers"])
 def gemma(request):
     """(base URL, runner) of a server on Gemma 3 270M; the first start dequantizes into the cache."""
-    port = _free_port()
     head = ([sys.executable, "-c", _FORCE_TRANSFORMERS] if request.param == "transformers"
             else [sys.executable, "-m", "logprobe.cli"])
-    log = tempfile.NamedTemporaryFile(prefix="logprobe-gemma-", suffix=".log", delete=False)
-    proc = subprocess.Popen(head + ["serve", "--model", MODEL, "--port", str(port)], stdout=log,
-                            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 600  # a first start dequantizes the GGUF (about a minute)
+    # a first start dequantizes the GGUF (about a minute)
+    proc, base = serve_process.start(["--model", MODEL], head=head, limit=600, prefix="logprobe-gemma-")
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError("server exited:\n" + open(log.name, errors="replace").read())
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError("server did not start")
-            time.sleep(0.3)
         runner = httpx.get(base + f"/v1/models/{MODEL}").json()["runner"]
         if request.param == "transformers":
             assert runner == "transformers"
@@ -106,11 +80,7 @@ def gemma(request):
             pytest.skip("the engine runs Gemma 3 on transformers' forward: covered by [transformers]")
         yield base, runner
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        serve_process.stop(proc)
 
 
 @pytest.fixture(scope="module")

@@ -11,24 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import signal
 import socket
-import subprocess
-import sys
-import tempfile
 import time
 
 import httpx
 import psutil
 import pytest
+import serve_process
+from serve_process import server_log
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 pytestmark = pytest.mark.e2e
 MODEL = "smollm2-135m"
@@ -53,25 +46,7 @@ TOL = 2e-3  # float32, batch shapes differ between a lone run and a loaded one
 
 
 def start_server(*flags: str):
-    """A server whose log goes to a file (a pipe nobody reads would fill up and block it)."""
-    port = free_port()
-    log = tempfile.NamedTemporaryFile(prefix="logprobe-", suffix=".log", delete=False)
-    proc = subprocess.Popen([sys.executable, "-m", "logprobe.cli", "serve", "--port", str(port), *flags],
-                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    proc.log_path = log.name
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("server exited:\n" + server_log(proc))
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError("server did not start")
+    return serve_process.start(list(flags))
 
 
 @pytest.fixture(scope="module")
@@ -81,11 +56,6 @@ def loaded_server():
     yield proc, base
     proc.terminate()
     proc.wait(timeout=60)
-
-
-def server_log(proc) -> str:
-    with open(proc.log_path, encoding="utf-8", errors="replace") as fh:
-        return fh.read()
 
 
 def stable(path: str, body: dict, payload):

@@ -24,5 +24,10 @@ class Llama(Family):
                 qkv=fuse([attn.q_proj, attn.k_proj, attn.v_proj]), o_proj=attn.o_proj,
                 gate_up=fuse([mlp.gate_proj, mlp.up_proj]), down_proj=mlp.down_proj,
                 input_norm=rms_norm_of(layer.input_layernorm), pre_ff_norm=rms_norm_of(layer.post_attention_layernorm),
-                act=activation_of(act_name, mlp.act_fn), window=window, int4_names=INT4_NAMES))
+                act=activation_of(act_name, mlp.act_fn), qk_norm=self.qk_norm(attn), window=window,
+                int4_names=INT4_NAMES))
         return out
+
+    def qk_norm(self, attn):
+        """The norm on query and key heads before RoPE (none in Llama's layout)."""
+        return None
