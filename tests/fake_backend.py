@@ -29,6 +29,7 @@ import numpy as np
 from logprobe.backend import (RequestAborted, ChoiceOutput, Delta, FinishReason, GenerationOutput,
                               GenerationRequest, ModelInfo, PositionColumns, PromptColumns, StreamEnd,
                               finished_without_forward)
+from logprobe.engine.streams import Stream
 from logprobe.tokens import TextAssembler, TokenTable
 
 MODEL_SALT = 0x10C9
@@ -191,19 +192,21 @@ def filtered_scores(row: np.ndarray, params) -> np.ndarray:
     return scores
 
 
-def draw(scores: np.ndarray, rng: np.random.Generator) -> int:
-    cdf = np.cumsum(np.exp(scores - scores.max()))
-    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(scores) - 1))
+def draw(scores: np.ndarray, seed: int) -> int:
+    """The largest probability over an exponential random number (engine/sampler.draw), from numpy's
+    generator seeded with the step's seed."""
+    probs = np.exp(scores - scores.max())
+    return int(np.argmax(probs / np.random.default_rng(seed).exponential(size=len(scores))))
 
 
-def sample(row: np.ndarray, params, rng: np.random.Generator) -> int:
+def sample(row: np.ndarray, params, seed: int) -> int:
     """engine/sampler.sample_row in numpy: greedy below temperature 1e-5, else temperature, top-k, top-p."""
     if params.is_greedy:
         return int(np.argmax(row))
-    return draw(filtered_scores(row, params), rng)
+    return draw(filtered_scores(row, params), seed)
 
 
-def sample_with_distribution(row: np.ndarray, params, rng: np.random.Generator) -> tuple[int, np.ndarray]:
+def sample_with_distribution(row: np.ndarray, params, seed: int) -> tuple[int, np.ndarray]:
     """engine/sampler.sample_with_distribution: `sample`'s token and the float32 log probabilities of the
     distribution it was drawn from (a point mass when greedy)."""
     if params.is_greedy:
@@ -213,7 +216,7 @@ def sample_with_distribution(row: np.ndarray, params, rng: np.random.Generator) 
         return token, out
     scores = filtered_scores(row, params)
     top = scores.max()
-    return draw(scores, rng), (scores - top - np.log(np.exp(scores - top).sum())).astype(np.float32)
+    return draw(scores, seed), (scores - top - np.log(np.exp(scores - top).sum())).astype(np.float32)
 
 
 def ranks_of(row: np.ndarray, values: np.ndarray) -> np.ndarray:
@@ -292,10 +295,7 @@ class _Seq:
     def __init__(self, index: int, request: GenerationRequest, table: TokenTable):
         params = request.params
         self.index = index
-        if params.seed is None:
-            self.rng = np.random.default_rng()
-        else:  # one stream per choice, fixed by (seed, index)
-            self.rng = np.random.default_rng((int(params.seed) * 1_000_003 + index) & ((1 << 63) - 1))
+        self.stream = Stream(params.seed, index)  # the engine's counter-based streams (engine/streams.py)
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.top_ids: list[np.ndarray] = []
@@ -516,9 +516,9 @@ class FakeBackend:
                 rows += 1
                 row = self.logprobs_after(list(prompt[-2:]) + seq.token_ids[-2:])
                 if params.records_processed:
-                    token, processed = sample_with_distribution(row, params, seq.rng)
+                    token, processed = sample_with_distribution(row, params, seq.stream.seed(len(seq.token_ids)))
                 else:
-                    token, processed = sample(row, params, seq.rng), None
+                    token, processed = sample(row, params, seq.stream.seed(len(seq.token_ids))), None
                 seq.token_ids.append(token)
                 numbers = processed if params.logprobs_mode == "processed" and processed is not None else row
                 seq.logprobs.append(float(numbers[token]))

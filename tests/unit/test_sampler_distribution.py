@@ -1,5 +1,7 @@
-"""The processed distribution (`logprobs_mode`) is the one `sample_row` draws from: the same token for
-the same random stream, and sampling frequencies that agree with it."""
+"""The batched sampler (engine/sampler.py) and the counter-based streams (engine/streams.py): the processed
+distribution (`logprobs_mode`) is the one tokens are drawn from; a row's token does not depend on the
+rows beside it; sampling frequencies from the streams' numbers agree with the distribution, which agrees
+with a float64 reading of the API's description (tests/fake_backend.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from fake_backend import filtered_scores as reference_scores
 from logprobe.backend import SamplingParams
-from logprobe.engine.sampler import sample_row, sample_with_distribution
+from logprobe.engine.sampler import BatchSettings, sample_batch, sample_row, sample_with_distribution
+from logprobe.engine.streams import Stream
 
 SETTINGS = [dict(temperature=0.6), dict(temperature=1.4, top_k=6), dict(temperature=1.0, top_p=0.7),
             dict(temperature=0.8, top_k=10, top_p=0.85)]
@@ -19,13 +23,20 @@ def row(vocab=40, seed=0):
     return torch.log_softmax(torch.randn(vocab, generator=gen) * 2.0, dim=-1)
 
 
+def batch(params: list[SamplingParams], rows: torch.Tensor, seeds: list[int]):
+    return BatchSettings.of(params, rows.shape[-1], rows.device, seeds)
+
+
 @pytest.mark.parametrize("settings", SETTINGS + [dict(temperature=0.0)])
 def test_same_token_for_the_same_stream(settings):
     params = SamplingParams(**settings)
     lp = row()
-    for seed in range(30):
-        token = sample_row(lp, params, torch.Generator().manual_seed(seed))
-        again, dist = sample_with_distribution(lp, params, torch.Generator().manual_seed(seed))
+    stream = Stream(5, 0)
+    for step in range(30):
+        u = stream.seed(step)
+        token = sample_row(lp, params, u)
+        again, dist = sample_with_distribution(lp[None], batch([params], lp[None], [u]))
+        again, dist = int(again[0]), dist[0]
         assert token == again and torch.isfinite(dist[token])
         assert float(torch.logsumexp(dist, dim=0)) == pytest.approx(0.0, abs=1e-6)
     if params.is_greedy:
@@ -33,16 +44,75 @@ def test_same_token_for_the_same_stream(settings):
 
 
 @pytest.mark.parametrize("settings", SETTINGS)
+def test_processed_distribution_matches_a_float64_reading_of_the_settings(settings):
+    params = SamplingParams(**settings)
+    lp = row(seed=2)
+    _, dist = sample_with_distribution(lp[None], batch([params], lp[None], [5]))
+    expected = reference_scores(lp.numpy(), params)
+    expected = expected - np.logaddexp.reduce(expected[np.isfinite(expected)])
+    assert np.array_equal(np.isfinite(expected), torch.isfinite(dist[0]).numpy())
+    finite = np.isfinite(expected)
+    assert np.allclose(dist[0].numpy()[finite], expected[finite], atol=2e-6)
+
+
+def test_a_rows_token_does_not_depend_on_the_rows_beside_it():
+    """Every setting (greedy too) in one batch of 64 rows draws what each row draws alone."""
+    gen = torch.Generator().manual_seed(7)
+    rows = torch.log_softmax(torch.randn(64, 300, generator=gen) * 3.0, dim=-1)
+    options = SETTINGS + [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=1.0, top_k=1)]
+    params = [SamplingParams(**options[i % len(options)]) for i in range(64)]
+    uniforms = [Stream(i, i % 3).seed(i) for i in range(64)]
+    s = batch(params, rows, uniforms)
+    together = sample_batch(rows, s)
+    _, together_dist = sample_with_distribution(rows, s)
+    for i in range(64):
+        alone = sample_row(rows[i], params[i], uniforms[i])
+        assert int(together[i]) == alone
+        alone_dist = sample_with_distribution(rows[i:i + 1], batch([params[i]], rows[i:i + 1], [uniforms[i]]))[1][0]
+        assert torch.equal(alone_dist, together_dist[i])
+    # and the batch's draws are not all the greedy choice (the test would not see a sampling bug)
+    assert (together != rows.argmax(-1)).sum() > 10
+
+
+@pytest.mark.parametrize("settings", SETTINGS)
 def test_frequencies_agree_with_the_distribution(settings):
+    """Drawn with one stream's consecutive numbers, as a choice draws its tokens."""
     params = SamplingParams(**settings)
     lp = row(seed=1)
-    _, dist = sample_with_distribution(lp, params, torch.Generator().manual_seed(0))
-    probs = dist.double().exp().numpy()
-    gen = torch.Generator().manual_seed(123)
     draws = 20_000
-    counts = np.bincount([sample_row(lp, params, gen) for _ in range(draws)], minlength=len(probs))
+    stream = Stream(123, 0)
+    uniforms = [stream.seed(step) for step in range(draws)]
+    tokens, dist = sample_with_distribution(lp.expand(draws, -1).contiguous(),
+                                            batch([params] * draws, lp.expand(draws, -1), uniforms))
+    probs = dist[0].double().exp().numpy()
+    counts = np.bincount(tokens.numpy(), minlength=len(probs))
     assert not counts[probs == 0].any()  # a token the filters leave out is never drawn
     bound = 5 * np.sqrt(probs * (1 - probs) / draws) + 1e-12
     assert np.all(np.abs(counts / draws - probs) <= bound), (counts / draws - probs)
     if "top_k" in settings:
         assert (probs > 0).sum() <= settings["top_k"]
+
+
+def test_streams_are_fixed_by_seed_and_index():
+    assert [Stream(9, 1).seed(i) for i in range(5)] == [Stream(9, 1).seed(i) for i in range(5)]
+    firsts = {Stream(seed, index).seed(0) for seed in range(50) for index in range(4)}
+    assert len(firsts) == 200  # no two (seed, index) pairs share a first seed
+    assert Stream(None, 0).seed(0) != Stream(None, 0).seed(0)  # unseeded: a fresh key each time
+    values = np.array([Stream(-3, 2).seed(i) for i in range(100_000)], dtype=np.uint64)
+    # the 64 bits are balanced: each bit set in half of the seeds within 5 standard deviations
+    bits = (values[:, None] >> np.arange(64, dtype=np.uint64)) & np.uint64(1)
+    assert np.all(np.abs(bits.mean(axis=0) - 0.5) < 5 * np.sqrt(0.25 / len(values)))
+
+
+def test_a_tiny_change_of_the_probabilities_keeps_the_token():
+    """The draw compares each token's own ratio: moving every log probability by up to 1e-6 (what
+    another batch shape's rounding does) keeps the token for all but a rare tie; an inverse-CDF draw
+    in vocabulary order flips where the change below the token adds up."""
+    gen = torch.Generator().manual_seed(11)
+    rows = torch.log_softmax(torch.randn(400, 5000, generator=gen), dim=-1)  # flat: many likely tokens
+    moved = rows + (torch.rand(rows.shape, generator=gen) - 0.5) * 2e-6
+    params = [SamplingParams(temperature=1.0)] * len(rows)
+    seeds = [Stream(1, 0).seed(i) for i in range(len(rows))]
+    a = sample_batch(rows, batch(params, rows, seeds))
+    b = sample_batch(moved, batch(params, moved, seeds))
+    assert int((a != b).sum()) <= 1

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
+import numpy as np
 import torch
 
 from ..backend import (Delta, FinishReason, GenerationOutput, GenerationRequest, ModelInfo, RequestAborted,
@@ -23,7 +24,7 @@ from .request import Sequence, SequenceGroup
 from .streaming import attach_releasers
 from . import fast_runner
 from .runner import ModelRunner
-from .sampler import sample_row
+from .sampler import BatchSettings, sample_batch
 from .scheduler import Scheduler
 from ..tokens import TokenTable
 
@@ -394,8 +395,10 @@ class Engine:
         # Decode first: the batch is then exactly the running groups' rows (a group whose prompt
         # finishes in this step joins the batch in the next one).
         if plan.decode:
-            for group, lsm in zip(plan.decode, self.runner.decode_groups(plan.decode)):
-                self._each(group, self._decoded, lsm)
+            lsms = self.runner.decode_groups(plan.decode)
+            picks = self._pick(plan.decode, lsms)
+            for group, lsm, pick in zip(plan.decode, lsms, picks):
+                self._each(group, self._decoded, lsm, pick)
         if plan.prefill:
             self._prefill(plan.prefill, decoding=bool(plan.decode))
         if plan.score:
@@ -427,8 +430,8 @@ class Engine:
             if lsm is not None:
                 self._each(group, self._prefilled, lsm)
 
-    def _decoded(self, group: SequenceGroup, lsm: torch.Tensor) -> None:
-        self._postprocess(group, lsm)
+    def _decoded(self, group: SequenceGroup, lsm: torch.Tensor, pick) -> None:
+        self._postprocess(group, lsm, pick)
         self._after_step(group)
 
     def _prefilled(self, group: SequenceGroup, lsm: torch.Tensor) -> None:
@@ -438,7 +441,8 @@ class Engine:
         else:
             group.active_rows = [s.index for s in group.sequences]
             self.runner.expand(group, len(group.active_rows))
-            self._postprocess(group, lsm.expand(len(group.active_rows), -1))
+            rows = lsm.expand(len(group.active_rows), -1)
+            self._postprocess(group, rows, self._pick([group], [rows])[0])
         self.scheduler.prefilled(group)
         self._after_step(group)
 
@@ -483,24 +487,56 @@ class Engine:
                 by_tokens[ids] = self.runner.logit_lens(list(ids), layers, params.lens_top_k)
             seq.lens = by_tokens[ids]
 
-    def _postprocess(self, group: SequenceGroup, lsm: torch.Tensor) -> None:
-        """Sample a token for each active row, record its log probability and top-k (and what the request
-        asked of the instruments), apply stops."""
-        params = group.params
-        k = params.logprobs or 0
+    def _pick(self, groups: list[SequenceGroup], lsms: list[torch.Tensor]) -> list:
+        """The tokens of every active row of the plain groups (those whose request asked for no
+        instrument) with their log probabilities and top-k, computed for all of them at once on the
+        device and brought to the host in one transfer: per group, None (an instrumented group, which
+        `Instruments` samples) or (tokens [R], their log probabilities [R], top ids [R, k], top log
+        probabilities [R, k]) as numpy, k being the group's `logprobs`."""
+        plain = [i for i, g in enumerate(groups) if g.instruments is None and g.active_rows]
+        picks = [None] * len(groups)
+        if not plain:
+            return picks
+        lsm = lsms[plain[0]] if len(plain) == 1 else torch.cat([lsms[i] for i in plain])
+        seqs = [groups[i].sequences[j] for i in plain for j in groups[i].active_rows]
+        params = [groups[i].params for i in plain for _ in groups[i].active_rows]
+        seeds = None if all(p.is_greedy for p in params) else [s.stream.seed(len(s.token_ids)) for s in seqs]
+        tokens = sample_batch(lsm, BatchSettings.of(params, lsm.shape[-1], lsm.device, seeds))
+        parts = [tokens[:, None].double(), lsm.gather(1, tokens[:, None]).double()]
+        k = max(groups[i].params.logprobs or 0 for i in plain)
         if k:
-            top_vals, top_idx = torch.topk(lsm, k, dim=-1)
-            top_vals, top_idx = top_vals.cpu().numpy(), top_idx.cpu().numpy()
+            values, ids = torch.topk(lsm, k, dim=-1)
+            parts += [ids.double(), values.double()]
+        host = torch.cat(parts, dim=1).cpu().numpy()  # the step's one transfer (ids and float32 values are exact in float64)
+        start = 0
+        for i in plain:
+            rows = host[start:start + len(groups[i].active_rows)]
+            start += len(rows)
+            kk = groups[i].params.logprobs or 0
+            picks[i] = (rows[:, 0].astype(np.int64), rows[:, 1].astype(np.float32),
+                        rows[:, 2:2 + kk].astype(np.int64), rows[:, 2 + k:2 + k + kk].astype(np.float32))
+        return picks
+
+    def _postprocess(self, group: SequenceGroup, lsm: torch.Tensor, pick) -> None:
+        """Record the token `_pick` chose for each active row with its log probability and top-k (or,
+        for a group whose request asked for instruments, sample and record them with those), apply stops."""
+        params = group.params
         instruments = group.instruments  # None unless the request asked for one (instruments.py)
+        k = params.logprobs or 0
         if instruments is not None:
-            instruments.before_sampling(lsm)
+            top_vals = top_idx = None
+            if k:
+                top_vals, top_idx = torch.topk(lsm, k, dim=-1)
+                top_vals, top_idx = top_vals.cpu().numpy(), top_idx.cpu().numpy()
+            instruments.before_sampling(lsm, [group.sequences[i] for i in group.active_rows])
+        else:
+            tokens, chosen, top_idx, top_vals = pick
         keep = []
         for row, seq_index in enumerate(group.active_rows):
             seq = group.sequences[seq_index]
             if instruments is None:
-                token = sample_row(lsm[row], params, seq.generator)
-                seq.token_ids.append(token)
-                seq.logprobs.append(float(lsm[row, token]))
+                seq.token_ids.append(int(tokens[row]))
+                seq.logprobs.append(float(chosen[row]))
                 if k:
                     seq.top_ids.append(top_idx[row])
                     seq.top_logprobs.append(top_vals[row])

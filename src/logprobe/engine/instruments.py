@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ..backend import PositionColumns, SamplingParams
-from .sampler import sample_row, sample_with_distribution
+from .sampler import BatchSettings, sample_batch, sample_with_distribution
 
 FEW_IDS = 16  # ranks by one comparison pass per id up to here, by one sort per row beyond (measured on 256
 # rows of 49,152: one pass 0.024 s, one sort 0.44 s)
@@ -158,13 +158,16 @@ class Instruments:
         self.params = params
         self.ids: torch.Tensor | None = None
         self.batch: dict[str, np.ndarray] = {}
+        self.tokens: list[int] = []
+        self.processed: torch.Tensor | None = None
 
     @classmethod
     def of(cls, params: SamplingParams) -> "Instruments | None":
         return cls(params) if params.needs_position_columns or params.records_processed else None
 
-    def before_sampling(self, lsm: torch.Tensor) -> None:
-        """What does not depend on the sampled tokens, for every row at once."""
+    def before_sampling(self, lsm: torch.Tensor, seqs: list) -> None:
+        """What does not depend on the sampled tokens, for every row at once, and the rows' tokens (drawn
+        as `sample_batch` draws them, with the distribution they were drawn from where it is asked)."""
         params, batch = self.params, {}
         if params.logprob_token_ids:
             if self.ids is None or self.ids.device != lsm.device:
@@ -180,21 +183,26 @@ class Instruments:
             for name, value in zip(("top_p_ids", "top_p_logprobs", "top_p_counts", "top_p_mass", "top_p_truncated"),
                                    sets):
                 batch[name] = value.cpu().numpy()
+        settings = BatchSettings.of([params] * len(seqs), lsm.shape[1], lsm.device,
+                                    [s.stream.seed(len(s.token_ids)) for s in seqs])
+        if params.records_processed:
+            tokens, self.processed = sample_with_distribution(lsm, settings)
+        else:
+            tokens, self.processed = sample_batch(lsm, settings), None
+        self.tokens = tokens.tolist()
         self.batch = batch
 
     def sample(self, seq, lsm: torch.Tensor, row: int, top_ids: np.ndarray | None,
                top_values: np.ndarray | None) -> int:
-        """Sample row `row` for `seq` (exactly as `sample_row` would) and record its token, log
-        probabilities and instrument rows on it."""
+        """Record row `row`'s token (drawn in `before_sampling`), its log probabilities and instrument
+        rows on `seq`."""
         params = self.params
         raw = lsm[row]
         if seq.rows is None:
             seq.rows = RowLog()
         log = seq.rows
-        if params.records_processed:
-            token, processed = sample_with_distribution(raw, params, seq.generator)
-        else:
-            token, processed = sample_row(raw, params, seq.generator), None
+        token = self.tokens[row]
+        processed = None if self.processed is None else self.processed[row]
         raw_value = float(raw[token])
         if processed is not None:
             processed_value = float(processed[token])

@@ -7,27 +7,15 @@ engine's own: nothing outside `engine/` reads or writes it.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
-import torch
 
 from ..backend import (ChoiceOutput, FinishReason, GenerationOutput, GenerationRequest, PromptColumns,
                        SamplingParams)
 from ..tokens import TextAssembler, TokenTable
 from .instruments import Instruments, RowLog
+from .streams import Stream
 
 __all__ = ["FinishReason", "PromptColumns", "SamplingParams", "Sequence", "SequenceGroup"]
-
-
-def _make_generator(seed: int | None, index: int) -> torch.Generator:
-    gen = torch.Generator(device="cpu")
-    if seed is None:
-        gen.manual_seed(int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1))
-    else:
-        # One stream per choice, fixed by (seed, index): the same whatever else the server runs.
-        gen.manual_seed((int(seed) * 1_000_003 + index) & ((1 << 63) - 1))
-    return gen
 
 
 class Sequence:
@@ -35,7 +23,8 @@ class Sequence:
 
     def __init__(self, index: int, params: SamplingParams, table: TokenTable, text_start: int):
         self.index = index
-        self.generator = _make_generator(params.seed, index)
+        # one stream per choice, fixed by (seed, index): the same whatever else the server runs
+        self.stream = Stream(params.seed, index)
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.top_ids: list[np.ndarray] = []
