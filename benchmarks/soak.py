@@ -290,6 +290,13 @@ class Results:
     kinds: set = field(default_factory=set)  # the kinds of request in the catalog
 
 
+async def watch_kv(client: httpx.AsyncClient, peak: list) -> None:
+    """Keep peak[0] at the largest KV cache size seen, polling until cancelled."""
+    while True:
+        peak[0] = max(peak[0], await metric(client, "logprobe_kv_cache_bytes"))
+        await asyncio.sleep(0.05)
+
+
 async def send(client: httpx.AsyncClient, spec: Spec) -> tuple[int, object, str]:
     """(status, answer or problems, raw text on failure). A leaver's status is 0."""
     if spec.leave == "stream":
@@ -384,9 +391,14 @@ async def soak(base: str, catalog: list[Spec], refs: dict, rng: random.Random, s
             size = rng.randint(1, 8)
             burst = [first_round.pop() if first_round else rng.choice(catalog) for _ in range(size)]
             sent += len(burst)
-            await asyncio.gather(*(one(s) for s in burst))
+            peak = [0]  # the KV cache's size while the burst runs (its larger classes go when their rows end)
+            watcher = asyncio.ensure_future(watch_kv(client, peak))
+            try:
+                await asyncio.gather(*(one(s) for s in burst))
+            finally:
+                watcher.cancel()
             kv = await metric(client, "logprobe_kv_cache_bytes")
-            grown = grown or kv > first_kv
+            grown = grown or max(kv, peak[0]) > first_kv
             res.kv_bytes.append((time.monotonic() - t0, kv))
             gap = rng.choice([0.0, 0.1, IDLE_GAP_S, IDLE_GAP_S])
             if gap:

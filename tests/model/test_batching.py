@@ -154,11 +154,17 @@ def test_short_prompts_share_one_prefill_pass(tiny_engine, reference, monkeypatc
 def test_kv_cache_shrinks_when_idle(tiny_engine):
     """The slot cache grows with the batch; once the engine is idle it goes back to its first size."""
     cache = tiny_engine.runner.cache
-    initial = cache._initial
+    slots, capacity = cache._initial
+    initial = [(capacity, slots)]  # (capacity, slots) of each size class
+
+    def classes():
+        return [(c, slab.num_slots) for c, slab in cache.slabs.items()]
+
     groups = [make(tiny_engine, [5 + i, 6], max_tokens=20, n=3, temperature=1.0, seed=i) for i in range(8)]
     run(tiny_engine, groups)
-    assert cache.num_slots >= 24 or cache.capacity > initial[1]
+    assert classes() != initial and (cache.slabs[capacity].num_slots >= 24 or len(cache.slabs) > 1)
     deadline = time.time() + 5
-    while (cache.num_slots, cache.capacity) != initial and time.time() < deadline:
+    while classes() != initial and time.time() < deadline:
         time.sleep(0.05)
-    assert (cache.num_slots, cache.capacity) == initial and not cache.rows
+    bytes_per_slot = 2 * cache.num_layers * cache.kv_heads * capacity * cache.head_dim * 4  # float32
+    assert classes() == initial and not cache.rows and cache.nbytes == slots * bytes_per_slot

@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from logprobe.api.app import create_app
 from logprobe.config import Limits
 from logprobe.engine.engine import Engine
-from logprobe.engine.kv_cache import Row, SlotCache
+from logprobe.engine.kv_cache import Row, SlabCache
 
 TOL = 2e-5
 
@@ -66,13 +66,18 @@ def test_generation_past_the_caches_first_length_then_more_requests(long_client,
                                                                     tokenizer, reference_of):
     """The reported bug: a 300-token generation grew the KV cache inside a decode step (inference mode);
     the next request's prompt could not be written into it, and every later generation answered 500."""
-    first_capacity = long_engine.runner.cache.capacity
-    assert first_capacity == 256
+    cache = long_engine.runner.cache
+    assert list(cache.slabs) == [256]  # one size class, of the first capacity
     reference = reference_of(long_model)
     short = greedy(long_client, [5, 6, 7], 5, return_tokens_as_token_ids=True)
-    long = greedy(long_client, [5, 6, 7], 300, return_tokens_as_token_ids=True)
+    classes = []  # the largest size class after each engine step
+    long_engine.step_observer = lambda seconds, rows: classes.append(max(cache.slabs))
+    try:
+        long = greedy(long_client, [5, 6, 7], 300, return_tokens_as_token_ids=True)
+    finally:
+        long_engine.step_observer = None
     assert len(long["logprobs"]["tokens"]) == 300
-    assert long_engine.runner.cache.capacity > first_capacity  # it grew
+    assert max(classes) == 512  # it grew inside a decode step: the row moved into the next class
     for n in range(3):  # every later request, long or short, still works and is still right
         again = greedy(long_client, [5, 6, 7], 5, return_tokens_as_token_ids=True)
         assert again["logprobs"] == short["logprobs"]
@@ -86,35 +91,57 @@ def test_generation_past_the_caches_first_length_then_more_requests(long_client,
 def test_cache_grows_and_shrinks_many_times(long_client, long_engine):
     """Idle shrinks between bursts, growth again in the next: answers never change."""
     cache = long_engine.runner.cache
+    initial = [(256, 4)]  # (capacity, slots) of each size class
+    per_slot = 2 * cache.num_layers * cache.kv_heads * 256 * cache.head_dim * 4  # float32 keys and values
+
+    def classes():
+        return [(capacity, slab.num_slots) for capacity, slab in cache.slabs.items()]
+
     want = None
     for _ in range(3):
-        out = greedy(long_client, [11, 12], 270, return_tokens_as_token_ids=True)
-        assert cache.capacity > 256
+        largest = []  # the largest size class after each engine step
+        long_engine.step_observer = lambda seconds, rows: largest.append(max(cache.slabs))
+        try:
+            out = greedy(long_client, [11, 12], 270, return_tokens_as_token_ids=True)
+        finally:
+            long_engine.step_observer = None
+        assert max(largest) > 256
         want = want or out["logprobs"]
         assert out["logprobs"] == want
         deadline = time.time() + 10
-        while cache.capacity != 256 and time.time() < deadline:  # the engine shrinks it when idle
+        while classes() != initial and time.time() < deadline:  # the engine shrinks it when idle
             time.sleep(0.05)
-        assert cache.capacity == 256 and cache.num_slots == 4
+        assert classes() == initial and cache.nbytes == 4 * per_slot
 
 
 def test_cache_writes_work_outside_inference_mode():
     """The cache's own methods run in inference mode whoever calls them, and a failed add leaves it whole."""
     import torch
 
-    cache = SlotCache(2, 2, 4, torch.float32, torch.device("cpu"), max_len=64, slots=1, capacity=4)
-    with torch.inference_mode():
-        cache.reserve(0, 20)  # grown inside inference mode: inference tensors
+    cache = SlabCache(2, 2, 4, torch.float32, torch.device("cpu"), max_len=64, slots=1, capacity=4)
     kv = [torch.randn(2, 10, 4) for _ in range(2)]
-    cache.add(Row(None, 0), kv, kv)  # outside it (this raised before)
-    cache.add(Row(None, 1), kv, kv)
-    assert len(cache.rows) == 2 and cache.is_consistent()
-    torch.testing.assert_close(cache.keys[1][1, :, :10], kv[1])
-    with pytest.raises(RuntimeError):
-        cache.add(Row(None, 2), [torch.randn(3, 5, 4)] * 2, [torch.randn(3, 5, 4)] * 2)  # wrong head count
-    assert len(cache.rows) == 2 and cache.is_consistent()
+    with torch.inference_mode():
+        cache.add([Row(None, 0)], kv, kv)  # a class of 16 made inside inference mode: inference tensors
+    cache.add([Row(None, 1)], kv, kv)  # outside it, the class grows and is written (this raised before)
+    assert len(cache.rows) == 2 and list(cache.slabs) == [4, 16] and cache.is_consistent()
+    torch.testing.assert_close(cache.slabs[16].keys[1][1, :, :10], kv[1])
+    row = cache.rows[0]
+    with torch.inference_mode():
+        cache.slabs[16].keys[1][row.slot, :, 10:] = 1.0  # decode steps filled its class
+    row.length = 16
+    want = cache.slabs[16].keys[1][row.slot].clone()
+    cache.make_room()  # outside inference mode: the full row moves into the class of 32
+    assert row.slab == 32 and cache.is_consistent() and [r.seq_index for r in cache.rows] == [1, 0]
+    torch.testing.assert_close(cache.slabs[32].keys[1][row.slot, :, :16], want)
+    torch.testing.assert_close(cache.slabs[16].keys[1][0, :, :10], kv[1])  # the other row, moved into slot 0
+    nbytes, classes = cache.nbytes, list(cache.slabs)
+    for length in (12, 40):  # into a class with room (16), and into a new one (64)
+        with pytest.raises(RuntimeError):
+            cache.add([Row(None, 2)], [torch.randn(3, length, 4)] * 2, [torch.randn(3, length, 4)] * 2)  # 3 heads
+        assert len(cache.rows) == 2 and cache.is_consistent()
+        assert cache.nbytes == nbytes and list(cache.slabs) == classes
     cache.remove(cache.rows[0])
-    assert [r.seq_index for r in cache.rows] == [1] and cache.is_consistent()
+    assert [r.seq_index for r in cache.rows] == [0] and cache.is_consistent()
 
 
 def metric(client, name):
@@ -154,7 +181,7 @@ def test_a_failed_step_fails_its_requests_resets_and_recovers(fresh, monkeypatch
     # the engine rebuilt its cache and its self-check (a step that succeeds) makes it ready again
     body = wait_health(client, "ready")
     assert body["engine_failures"]["steps"] == 1 and body["last_error"]["type"] == "RuntimeError"
-    assert engine.runner.cache.rows == [] and engine.runner.is_consistent(engine.scheduler.running)
+    assert engine.runner.cache.rows == () and engine.runner.is_consistent(engine.scheduler.running)
     assert greedy(client, [5, 6, 7], 6) == want
     assert metric(client, 'logprobe_engine_failures_total{kind="step"}') == 1
     assert engine.num_in_flight == 0
@@ -189,7 +216,7 @@ def test_inconsistent_cache_after_a_request_failure_is_rebuilt(fresh, monkeypatc
 
     def losing_expand(group, rows):
         real(group, rows)
-        engine.runner.cache.rows.pop()  # corrupt the shared bookkeeping
+        engine.runner.cache.slabs[group.rows[-1].slab].rows.pop()  # corrupt the shared bookkeeping
 
     monkeypatch.setattr(engine.runner, "expand", losing_expand)
     r = client.post("/v1/completions", json={"model": "long", "prompt": [5, 6], "max_tokens": 5})
