@@ -112,3 +112,29 @@ def test_int4_on_fused_projections_is_refused_clearly(monkeypatch):
         pytest.skip("no CPU int4 kernel in this torch")
     with pytest.raises(loader.ModelLoadError, match="fused"):
         loader._int4_grids(model, "cpu")
+
+
+def test_a_gpu_load_reads_straight_into_the_device_in_its_dtype(tiny_model, tokenizer, tmp_path, monkeypatch):
+    """On a GPU the checkpoint is read onto the device in the target dtype by transformers
+    (`device_map`), never built on the host in float32 and moved. No GPU here: transformers is asked
+    for the device and dtype (recorded), and loads onto the CPU in its stead."""
+    import transformers
+
+    target = tmp_path / "model"
+    tiny_model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    asked = []
+    real = transformers.AutoModelForCausalLM.from_pretrained
+
+    def recording(location, **kwargs):
+        asked.append(dict(kwargs))
+        assert kwargs.get("device_map") == "cuda:1"
+        return real(location, **{**kwargs, "device_map": "cpu"})
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", recording)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.nn.Module, "to", lambda *a, **k: pytest.fail("the model was moved after loading"))
+    model, _ = loader.load(loader.resolve_source(str(target)), dtype="auto", device="cuda:1")
+    assert asked == [{"dtype": torch.bfloat16, "device_map": "cuda:1"}]
+    assert next(model.parameters()).dtype == torch.bfloat16

@@ -282,8 +282,11 @@ def load(source: ModelSource, dtype: str = "float32", device: str = "cpu", quant
         tokenizer = AutoTokenizer.from_pretrained(location)
         if source.kind == "packaged":
             check_tokenizer(packaged_model(source.name), tokenizer)
+        # Straight to the device in the target dtype: on a GPU no float32 copy of the weights is ever
+        # made on the host (an 8B model would need 32 GB of it). 4-bit grids are found on the CPU first.
+        direct = {} if quantization == "int4" or device == "cpu" else {"device_map": device}
         model = AutoModelForCausalLM.from_pretrained(
-            location, dtype=torch.float32 if quantization == "int4" else torch_dtype)
+            location, dtype=torch.float32 if quantization == "int4" else torch_dtype, **direct)
     except OSError as exc:
         if source.kind == "hub":
             raise ModelLoadError(
@@ -299,7 +302,8 @@ def load(source: ModelSource, dtype: str = "float32", device: str = "cpu", quant
         # leaves them when it loads in bfloat16 (model.to(dtype) would round them too).
         for param in model.parameters():
             param.data = param.data.to(torch_dtype)
-    model.to(device)
+    if not direct:
+        model.to(device)  # int4's grids are found on the CPU: its weights move afterwards
     model.eval()
     model.requires_grad_(False)
     model.logprobe_int4 = grids

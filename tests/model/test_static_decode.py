@@ -1,0 +1,74 @@
+"""The fixed-shape decode step (fast_runner.FastRunner._decode_static): what a GPU records once as a CUDA
+graph and replays, run here eagerly on the CPU. It pads the batch to a power of two (padding rows
+write into unused slots) and attends over the slab's whole capacity with a length mask (and each
+sliding window's band) instead of the positions held so far. Its answers must be the eager path's,
+and the float64 reference's, while rows join, leave, and move between size classes (where the step
+falls back to the eager path for the steps the batch spans two classes)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from logprobe.engine.engine import Engine
+from logprobe.engine.request import SamplingParams, SequenceGroup
+from test_families import build
+
+TOL = 1e-5
+
+
+def groups_of(engine):
+    prompts = ["a b", "The quick brown fox jumps", "One two three four five six seven eight nine ten eleven"]
+    kinds = [dict(temperature=0.0, logprobs=3), dict(temperature=1.0, n=2, seed=4, logprobs=2),
+             dict(temperature=0.8, top_p=0.9, seed=9), dict(temperature=1.0, top_k=5, seed=1, logprobs=1)]
+    out = []
+    for i, kind in enumerate(kinds * 2):
+        ids = engine.tokenizer(prompts[i % len(prompts)]).input_ids
+        out.append(SequenceGroup(f"g{i}", ids, SamplingParams(max_tokens=6 + 7 * (i % 4), **kind), engine.table))
+    return out
+
+
+def run(engine, groups):
+    asyncio.run(engine.run_groups(groups))
+    return groups
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_the_fixed_shape_step_answers_as_the_eager_one(kind, tokenizer, reference_of):
+    model = build(kind, len(tokenizer))
+    eager = Engine(model, tokenizer, "eager", [], kv_cache_positions=8)
+    static = Engine(model, tokenizer, "static", [], kv_cache_positions=8)
+    assert not eager.runner.static_decode  # the CPU's default
+    static.runner.static_decode = True
+    passes = []
+    original = static.runner._static_pass
+    static.runner._static_pass = lambda slab, ids, lengths: passes.append(ids.shape[0]) or original(slab, ids, lengths)
+    eager_steps = []
+    original_eager = static.runner._decode_eager
+    static.runner._decode_eager = lambda *args: eager_steps.append(1) or original_eager(*args)
+    reference = reference_of(model)
+    for engine in (eager, static):
+        engine.start()
+    try:
+        for round_ in range(2):  # a second round on the same engines: nothing left over from the first
+            a, b = run(eager, groups_of(eager)), run(static, groups_of(static))
+            for ga, gb in zip(a, b):
+                for sa, sb in zip(ga.sequences, gb.sequences):
+                    assert sa.token_ids == sb.token_ids, (kind, ga.request_id)
+                    assert np.allclose(sa.logprobs, sb.logprobs, atol=TOL)
+                    for ta, tb in zip(sa.top_logprobs, sb.top_logprobs):
+                        assert np.allclose(ta, tb, atol=TOL)
+                    ids = list(gb.prompt_ids) + sb.token_ids
+                    ref = reference.logprobs(ids).numpy()
+                    start = len(gb.prompt_ids) - 1
+                    want = ref[np.arange(start, start + len(sb.token_ids)), sb.token_ids]
+                    assert np.abs(np.asarray(sb.logprobs) - want).max() < TOL
+    finally:
+        for engine in (eager, static):
+            engine.stop()
+    # the fixed-shape step ran, on padded batches (sizes that are powers of two), as well as the eager
+    # path (for the steps spanning two size classes)
+    assert passes and set(passes) <= {1, 2, 4, 8, 16} and eager_steps
+    assert static.runner.cache.is_consistent()
