@@ -1,0 +1,413 @@
+"""The GPU check (docs/performance.md, "On a GPU"): one script, a few minutes, for a GPU machine without
+a network. Prints a table and writes it as JSON (`--out`).
+
+1. Ceilings of this GPU, measured here: device-to-device copy bandwidth and a bfloat16 matrix product.
+2. Correctness on the device: tiny random-weight models of each family of the lean path (and one
+   transformers-forward model) run through logprobe's Engine on the GPU in float32, prompt and
+   generated log probabilities checked against a float64 forward of transformers' own implementation
+   on the CPU; the same in bfloat16 with its error reported.
+3. A Llama-3.1-8B-shaped model with random weights in bfloat16 (32 layers, d_model 4096, 32 query and 8
+   key/value heads, MLP 14,336, vocabulary 128,256), loaded straight onto the device:
+   - prefill tok/s (4 prompts of 2,048 tokens, one token generated each) against the FLOP ceiling,
+   - decode tok/s at batch 1, 16 and 64 with logprobs 5 against the bandwidth ceiling (a step reads
+     every weight once: 16.1 GB), with the time the host takes to launch a step beside the time the
+     device is busy, and the device-to-host synchronizations per decode step (CUDA's sync debug mode),
+   - a 256-position whole-vocabulary request (`prompt_logprobs: -1`, `vocab_encoding: "float32"`)
+     end to end through the HTTP application (FastAPI's test client, in process).
+
+The GPU image has torch and transformers but not FastAPI, Starlette, pydantic, uvicorn, orjson or
+gguf: carry them as wheels (docs/development.md, "The GPU check"). The tokenizer is the bundled
+model's (`--tokenizer DIR`: any transformers tokenizer directory; its 49,152 tokens name the 8B-shaped
+model's first ids, the rest decode to nothing).
+
+    python benchmarks/gpu_check.py --tokenizer DIR [--out gpu_check.json] [--device cuda] [--small]
+
+`--small` shrinks the large model (for a dry run of the script on a CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+import warnings
+
+import numpy as np
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.join(ROOT, "src"), os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "model")]
+
+from logprobe.engine.engine import Engine  # noqa: E402
+from logprobe.engine.request import SamplingParams, SequenceGroup  # noqa: E402
+
+RESULTS: dict = {}
+
+
+def say(*parts):
+    print(*parts, flush=True)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def section(name):
+    def wrap(fn):
+        def run(*args, **kwargs):
+            t0 = time.perf_counter()
+            say(f"\n== {name}")
+            try:
+                RESULTS[name] = fn(*args, **kwargs)
+            except Exception as exc:  # one broken section does not hide the others' numbers
+                traceback.print_exc()
+                RESULTS[name] = {"error": f"{type(exc).__name__}: {exc}"}
+            say(f"   ({time.perf_counter() - t0:.1f} s)")
+            return RESULTS[name]
+        return run
+    return wrap
+
+
+# ---- 1. ceilings -------------------------------------------------------------------------------
+@section("ceilings")
+def ceilings(device):
+    if device.type != "cuda":
+        return {"note": "not a GPU"}
+    out = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__}
+    src = torch.empty(2 * 2**30, dtype=torch.uint8, device=device)  # 2 GiB
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    sync(device)
+    out["copy_TBps"] = 10 * 2 * src.numel() / (start.elapsed_time(end) / 1e3) / 1e12  # read + write
+    del src, dst
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    for _ in range(3):
+        a @ b
+    start.record()
+    for _ in range(10):
+        a @ b
+    end.record()
+    sync(device)
+    out["bf16_TFLOPs"] = 10 * 2 * 8192**3 / (start.elapsed_time(end) / 1e3) / 1e12
+    say(f"   {out['gpu']}: copy {out['copy_TBps']:.2f} TB/s, bf16 matmul {out['bf16_TFLOPs']:.0f} TFLOP/s")
+    return out
+
+
+# ---- 2. correctness on the device --------------------------------------------------------------
+def run_groups(engine, groups):
+    asyncio.run(engine.run_groups(groups))
+    return groups
+
+
+@torch.inference_mode()
+def reference_rows(model64, ids):
+    logits = model64(torch.tensor([ids])).logits[0]
+    return torch.log_softmax(logits.double(), dim=-1).numpy()
+
+
+@section("families on the device against float64")
+def families(device, tokenizer):
+    from test_families import build
+
+    out = {}
+    vocab = len(tokenizer)
+    prompts = ["The quick brown fox jumps over the lazy dog and keeps running far away",
+               "One two three four five six seven eight nine ten eleven twelve thirteen fourteen"]
+    for kind in ["llama", "mistral", "qwen2", "gemma3", "qwen3", "phi3", "gpt2"]:
+        model = build(kind, vocab)
+        model64 = __import__("copy").deepcopy(model).double()
+        for dtype in (torch.float32, torch.bfloat16):
+            name = f"{kind}/{str(dtype).replace('torch.', '')}"
+            try:
+                m = __import__("copy").deepcopy(model).to(device=device, dtype=dtype)
+                engine = Engine(m, tokenizer, name, [])
+                engine.start()
+                try:
+                    groups = [SequenceGroup(f"g{i}", tokenizer(p).input_ids,
+                                            SamplingParams(max_tokens=12, n=2, temperature=1.0, seed=i, logprobs=5,
+                                                           prompt_logprobs=5), engine.table)
+                              for i, p in enumerate(prompts)]
+                    run_groups(engine, groups)
+                finally:
+                    engine.stop()
+                worst = 0.0
+                for g in groups:
+                    for seq in g.sequences:
+                        ids = list(g.prompt_ids) + seq.token_ids
+                        ref = reference_rows(model64, ids)
+                        got_prompt = g.prompt_columns.logprobs[1:]
+                        want_prompt = ref[np.arange(len(g.prompt_ids) - 1), g.prompt_ids[1:]]
+                        got_gen = np.asarray(seq.logprobs)
+                        n = len(seq.token_ids)
+                        want_gen = ref[np.arange(len(g.prompt_ids) - 1, len(g.prompt_ids) - 1 + n), seq.token_ids]
+                        worst = max(worst, float(np.abs(got_prompt - want_prompt).max()),
+                                    float(np.abs(got_gen - want_gen).max()))
+                out[name] = {"runner": engine.info.runner, "max_abs_error": worst}
+                say(f"   {name:22s} {engine.info.runner:12s} max |logprob - float64| = {worst:.2e}")
+            except Exception as exc:
+                traceback.print_exc()
+                out[name] = {"error": f"{type(exc).__name__}: {exc}"}
+    tol = {"float32": 1e-4, "bfloat16": 0.5}
+    out["passed"] = all("error" not in v and v["max_abs_error"] <= tol[k.split("/")[1]]
+                        for k, v in out.items())
+    return out
+
+
+# ---- 3. the 8B-shaped model ------------------------------------------------------------------
+def llama8b_config(small: bool):
+    from transformers import LlamaConfig
+
+    shape = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=8, vocab_size=128_256)
+    if small:
+        shape = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+                     num_key_value_heads=2, vocab_size=128_256)
+    return LlamaConfig(**shape, max_position_embeddings=131_072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                       rope_parameters={"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0,
+                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                        "original_max_position_embeddings": 8192},
+                       bos_token_id=None, eos_token_id=None, pad_token_id=None, initializer_range=0.02)
+
+
+@section("load the 8B-shaped model")
+def load_large(device, small, tokenizer, holder):
+    from transformers import AutoModelForCausalLM
+
+    cfg = llama8b_config(small)
+    t0 = time.perf_counter()
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.eval().requires_grad_(False)
+    sync(device)
+    params = sum(p.numel() for p in model.parameters())
+    engine = Engine(model, tokenizer, "llama-8b-shaped", [], max_model_len=8192)
+    holder["engine"], holder["params"] = engine, params
+    holder["matmul_params"] = params - model.get_input_embeddings().weight.numel()
+    out = {"params": params, "seconds": time.perf_counter() - t0, "runner": engine.info.runner}
+    if device.type == "cuda":
+        out["gpu_memory_GB"] = torch.cuda.memory_allocated(device) / 1e9
+    say(f"   {params / 1e9:.2f}B parameters, {engine.info.runner} runner, {out['seconds']:.1f} s")
+    return out
+
+
+def step_until_decoding(engine, groups):
+    for g in groups:
+        engine.scheduler.add(g)
+    while True:
+        plan = engine.scheduler.schedule()
+        if plan is None:
+            return None
+        if plan.decode and len(plan.decode) == len(groups) and not (plan.prefill or plan.score):
+            return plan
+        engine.step(plan)
+
+
+def finish(engine, groups):
+    for g in groups:
+        engine.runner.release(g)
+        engine.scheduler.finished(g)
+
+
+def random_prompt(n, seed, vocab):
+    return np.random.default_rng(seed).integers(100, vocab, n).tolist()
+
+
+@section("prefill")
+@torch.inference_mode()
+def prefill(device, holder, prompts=4, length=2048):
+    engine = holder["engine"]
+    vocab = engine.info.vocab_size
+    for rep in range(2):  # the first round warms the kernels up
+        groups = [SequenceGroup(f"p{i}", random_prompt(length, 10 * rep + i, vocab),
+                                SamplingParams(max_tokens=1, temperature=0.0), engine.table) for i in range(prompts)]
+        for g in groups:
+            engine.scheduler.add(g)
+        sync(device)
+        t0 = time.perf_counter()
+        while engine.scheduler.has_work:
+            plan = engine.scheduler.schedule()
+            if plan is None:
+                break
+            engine.step(plan)
+        sync(device)
+        seconds = time.perf_counter() - t0
+        finish(engine, groups)
+    tokens = prompts * length
+    cfg = engine.model.config
+    flops = 2 * holder["matmul_params"] * tokens + 4 * cfg.num_hidden_layers * cfg.hidden_size * length * length / 2 * prompts
+    out = {"tokens": tokens, "seconds": seconds, "tok_per_s": tokens / seconds, "TFLOPs": flops / seconds / 1e12}
+    say(f"   {tokens} prompt tokens in {seconds:.3f} s: {out['tok_per_s']:,.0f} tok/s, {out['TFLOPs']:.0f} TFLOP/s")
+    return out
+
+
+@section("decode")
+@torch.inference_mode()
+def decode(device, holder, batches=(1, 16, 64), steps=48, prompt_len=128):
+    engine = holder["engine"]
+    vocab = engine.info.vocab_size
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    out = {"weight_GB": weight_bytes / 1e9}
+    runner = engine.runner
+    for batch, graphs in [(b, g) for b in batches for g in (True, False)]:
+        runner.static_decode = graphs and device.type == "cuda"  # CUDA graphs of fixed-shape steps, or eager
+        runner.graphs.clear()
+        groups = [SequenceGroup(f"d{i}", random_prompt(prompt_len, 1000 + i, vocab),
+                                SamplingParams(max_tokens=4096, temperature=1.0, seed=i, logprobs=5), engine.table)
+                  for i in range(batch)]
+        plan = step_until_decoding(engine, groups)
+        for _ in range(3):  # warm-up steps
+            engine.step(plan)
+        sync(device)
+        walls, busy = [], []
+        for _ in range(steps):
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            t0 = time.perf_counter()
+            engine.step(plan)
+            walls.append(time.perf_counter() - t0)
+            if device.type == "cuda":
+                end.record()
+                sync(device)
+                busy.append(start.elapsed_time(end) / 1e3)
+        syncs = [count_syncs(engine, plan, device) for _ in range(3)]  # apart: the debug mode costs time
+        kernels = kernel_time(engine, plan, device)
+        finish(engine, groups)
+        step = float(np.median(walls))
+        row = {"batch": batch, "graphs": runner.static_decode, "step_ms": step * 1e3, "tok_per_s": batch / step,
+               "syncs_per_step": int(np.median(syncs))}
+        if busy:
+            row["device_ms"] = float(np.median(busy)) * 1e3
+        if kernels is not None:
+            row["kernel_ms"], row["top_kernels"] = kernels
+        kv_bytes = engine.runner.kv_cache_bytes
+        read = weight_bytes + kv_bytes  # an upper bound of the cache's share: all of it allocated
+        row["GBps_weights_only"] = weight_bytes / step / 1e9
+        out[f"batch {batch}" + ("" if runner.static_decode else " eager")] = row
+        say(f"   batch {batch:3d} {'graphs' if runner.static_decode else 'eager '}: {row['tok_per_s']:8.1f} tok/s, step {row['step_ms']:.2f} ms"
+            + (f" (device clock {row['device_ms']:.2f} ms)" if busy else "")
+            + (f", kernels busy {row['kernel_ms']:.2f} ms" if kernels else "")
+            + f", {row['GBps_weights_only']:.0f} GB/s of weights, {row['syncs_per_step']} syncs/step,"
+            f" KV allocated {kv_bytes / 1e9:.2f} GB (read bound {read / 1e9:.1f} GB)")
+        for name, ms, count in row.get("top_kernels", []):
+            say(f"      {ms:7.3f} ms  x{count:<4d} {name}")
+    runner.static_decode = device.type == "cuda"
+    return out
+
+
+def count_syncs(engine, plan, device) -> int:
+    """Device-to-host synchronizations in one decode step (CUDA's sync debug mode warns at each)."""
+    if device.type != "cuda":
+        return 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            engine.step(plan)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def kernel_time(engine, plan, device, steps=3):
+    """(milliseconds the device's kernels run per decode step, the five longest kernels) from the
+    profiler: beside the step's wall time, how much of it the device is busy."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step(plan)
+        sync(device)
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    total = sum(e.self_device_time_total for e in events) / 1e3 / steps
+    top = sorted(events, key=lambda e: -e.self_device_time_total)[:5]
+    return total, [(e.key[:80], round(e.self_device_time_total / 1e3 / steps, 3), e.count // steps) for e in top]
+
+
+@section("whole vocabulary, 256 positions, end to end")
+def whole_vocab(device, holder, tokenizer):
+    from fastapi.testclient import TestClient
+
+    from logprobe.api.app import create_app
+    from logprobe.client import dense_prompt_logprobs
+
+    engine = holder["engine"]
+    engine.start()
+    try:
+        app = create_app(engine)
+        ids = random_prompt(256, 7, engine.info.vocab_size)
+        body = {"model": "llama-8b-shaped", "prompt": ids, "max_tokens": 0, "echo": True, "prompt_logprobs": -1,
+                "vocab_encoding": "float32"}
+        with TestClient(app) as client:
+            times = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                r = client.post("/v1/completions", json=body)
+                content = r.content
+                times.append(time.perf_counter() - t0)
+                if r.status_code != 200:
+                    raise RuntimeError(f"{r.status_code}: {content[:400]!r}")
+            table = dense_prompt_logprobs(json.loads(content)["choices"][0]["prompt_logprobs"])
+    finally:
+        engine.stop()
+    rows = np.asarray(table[1:], dtype=np.float64)
+    mass = np.exp(rows).sum(axis=1)
+    out = {"seconds": times, "best_s": min(times), "bytes": len(content), "positions": int(rows.shape[0]),
+           "vocab": int(rows.shape[1]), "max_mass_error": float(np.abs(mass - 1).max())}
+    say(f"   {rows.shape[0]} x {rows.shape[1]} in {min(times):.2f} s (runs {', '.join(f'{t:.2f}' for t in times)}),"
+        f" {len(content) / 1e6:.0f} MB, probabilities sum to 1 within {out['max_mass_error']:.1e}")
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokenizer", required=True)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", default="gpu_check.json")
+    parser.add_argument("--small", action="store_true")
+    parser.add_argument("--skip", default="", help="comma-separated sections to skip: families,whole")
+    args = parser.parse_args()
+    from transformers import AutoTokenizer
+
+    device = torch.device(args.device)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    RESULTS["conditions"] = {"device": str(device), "torch": torch.__version__, "python": platform.python_version(),
+                             "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
+    import transformers
+
+    RESULTS["conditions"]["transformers"] = transformers.__version__
+    ceilings(device)
+    skip = set(args.skip.split(","))
+    if "families" not in skip:
+        families(device, tokenizer)
+    holder = {}
+    load_large(device, args.small, tokenizer, holder)
+    if "engine" in holder:
+        prefill(device, holder)
+        decode(device, holder)
+        if "whole" not in skip:
+            whole_vocab(device, holder, tokenizer)
+    with open(args.out, "w") as f:
+        json.dump(RESULTS, f, indent=1, default=str)
+    say(f"\nwritten to {args.out}")
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        main()
