@@ -10,8 +10,9 @@ a network. Prints a table and writes it as JSON (`--out`).
    key/value heads, MLP 14,336, vocabulary 128,256), loaded straight onto the device:
    - prefill tok/s (4 prompts of 2,048 tokens, one token generated each) against the FLOP ceiling,
    - decode tok/s at batch 1, 16 and 64 with logprobs 5 against the bandwidth ceiling (a step reads
-     every weight once: 16.1 GB), with the time the host takes to launch a step beside the time the
-     device is busy, and the device-to-host synchronizations per decode step (CUDA's sync debug mode),
+     every weight once: 16.1 GB), with CUDA graphs and without, the step's wall time beside the time
+     the device's kernels run (the profiler) and the device-to-host synchronizations per decode step
+     (CUDA's sync debug mode),
    - a 256-position whole-vocabulary request (`prompt_logprobs: -1`, `vocab_encoding: "float32"`)
      end to end through the HTTP application (FastAPI's test client, in process).
 
@@ -262,8 +263,9 @@ def decode(device, holder, batches=(1, 16, 64), steps=48, prompt_len=128):
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     out = {"weight_GB": weight_bytes / 1e9}
     runner = engine.runner
-    for batch, graphs in [(b, g) for b in batches for g in (True, False)]:
-        runner.static_decode = graphs and device.type == "cuda"  # CUDA graphs of fixed-shape steps, or eager
+    modes = (True, False) if device.type == "cuda" else (False,)  # CUDA graphs of fixed-shape steps, and eager
+    for batch, graphs in [(b, g) for b in batches for g in modes]:
+        runner.static_decode = graphs
         runner.graphs.clear()
         groups = [SequenceGroup(f"d{i}", random_prompt(prompt_len, 1000 + i, vocab),
                                 SamplingParams(max_tokens=4096, temperature=1.0, seed=i, logprobs=5), engine.table)

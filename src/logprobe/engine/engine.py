@@ -338,8 +338,8 @@ class Engine:
             self._finish(group)
 
     def _each(self, group: SequenceGroup, work, *args) -> None:
-        """Per-request work after a shared pass (sampling, stops, callbacks): a failure fails this
-        request only."""
+        """Per-request work after a shared pass (recording tokens, instruments, stops, callbacks): a
+        failure fails this request only."""
         try:
             work(group, *args)
         except Exception as exc:
