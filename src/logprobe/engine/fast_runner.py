@@ -12,7 +12,8 @@ transformers' forward (runner.py) instead.
   (`_decode_static`): the host launches one graph instead of ~30 kernels per block.
 * Prefill: in chunks (a long prompt takes several engine steps, so it does not stall the decoding of
   others), into a per-group buffer that moves into slots when the prompt is done.
-* Prompt-only groups (scoring, echo): one right-padded pass, no KV cache kept.
+* Prompt-only groups (scoring, echo): one right-padded pass, no KV cache kept; prompts of the batch
+  that begin with the same tokens (a context and its continuations) run that prefix once.
 * bfloat16: every projection and the head pre-packed for oneDNN once (same numbers as the plain
   product). `--quantization int4`: decode steps of up to INT4_MAX_ROWS rows use the model's own 4-bit
   weights (int4.py).
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 from .families import family_of
 from .int4 import Int4Linear
 from .kv_cache import Row, SlabCache
-from .request import SequenceGroup
+from .request import PromptColumns, SequenceGroup
 from .sampler import to_device
 from .runner import ModelRunner, _Captured
 
@@ -329,7 +330,12 @@ class FastRunner(ModelRunner):
     def prefill_batch(self, groups: list[SequenceGroup]) -> None:
         """Prompt-only groups (scoring, echo with max_tokens 0) in one right-padded pass of the lean path
         (its packed weights in bfloat16); no KV cache is kept. The plain causal mask is enough: padding
-        sits after each prompt, so a real position never sees it (padded positions' outputs are dropped)."""
+        sits after each prompt, so a real position never sees it (padded positions' outputs are dropped).
+        Prompts of the batch that begin with the same tokens (one context, several continuations: a
+        multiple-choice question) share that prefix's pass (`_prefill_shared`)."""
+        clusters = shared_prefixes([g.prompt_ids for g in groups], self.SHARED_PREFIX_MIN)
+        if clusters:
+            return self._prefill_shared(groups, clusters)
         lengths = [g.num_prompt_tokens for g in groups]
         longest = max(lengths)
         ids = torch.zeros((len(groups), longest), dtype=torch.long)
@@ -342,6 +348,81 @@ class FastRunner(ModelRunner):
             if g.params.needs_prompt_logits:
                 n = lengths[row]
                 g.prompt_columns = self._prompt_columns(hidden[row, :n], ids[row, :n], g.params)
+
+    SHARED_PREFIX_MIN = 16  # prompt-only prompts sharing at least this many first tokens share their pass
+
+    def _prefill_shared(self, groups: list[SequenceGroup], clusters: list[tuple[int, list[int]]]) -> None:
+        """Each shared prefix runs once (its keys, values and final hidden states kept); then every prompt's
+        own tokens run in one right-padded pass whose rows attend to their prefix's keys and values and
+        to their own, at their true positions (a row without a shared prefix attends to its own only).
+        Each group's columns come from its prefix's hidden states and its own, as from one pass."""
+        prefix_of = {}  # group index -> (prefix length, keys per layer, values per layer, hidden [P, D])
+        for length, members in clusters:
+            ids = torch.tensor([groups[members[0]].prompt_ids[:length]], dtype=torch.long).to(self.device)
+            keys, values = [None] * len(self.blocks), [None] * len(self.blocks)
+            causal = self._causal_attend(length)
+
+            def attend(layer, q, k, v, keys=keys, values=values, causal=causal):
+                keys[layer], values[layer] = k[0], v[0]  # [KV, P, d]
+                return causal(layer, q, k, v)
+
+            hidden = self._run(ids, torch.arange(length, device=self.device)[None], attend)[0]
+            for m in members:
+                prefix_of[m] = (length, keys, values, hidden)
+        firsts = [prefix_of[i][0] if i in prefix_of else 0 for i in range(len(groups))]
+        own = [g.num_prompt_tokens - first for g, first in zip(groups, firsts)]
+        rows, longest_own, longest_prefix = len(groups), max(own), max(firsts)
+        ids = torch.zeros((rows, longest_own), dtype=torch.long)
+        for row, g in enumerate(groups):
+            ids[row, :own[row]] = torch.tensor(g.prompt_ids[firsts[row]:], dtype=torch.long)
+        ids = ids.to(self.device)
+        first = torch.tensor(firsts, device=self.device)[:, None]
+        step = torch.arange(longest_own, device=self.device)[None]
+        positions = first + step  # [rows, own]: each row's true positions
+        # keys: [prefix slots 0..longest_prefix-1 | own slots]; a key's position, and whether it is real
+        slot = torch.arange(longest_prefix, device=self.device)[None]
+        key_pos = torch.cat([slot.expand(rows, -1), positions], dim=1)
+        key_real = torch.cat([slot < first, step < torch.tensor(own, device=self.device)[:, None]], dim=1)
+        seen = key_real[:, None, :] & (key_pos[:, None, :] <= positions[:, :, None])  # [rows, own, keys]
+        masks = {None: seen[:, None]}
+        for window in self.window_sizes:
+            masks[window] = (seen & (positions[:, :, None] - key_pos[:, None, :] < window))[:, None]
+        windows = self.windows
+        kv_shape = (rows, self.kv_heads, longest_prefix, self.head_dim)
+
+        def attend(layer, q, k, v):
+            prefix_k = torch.zeros(kv_shape, dtype=k.dtype, device=k.device)
+            prefix_v = torch.zeros(kv_shape, dtype=v.dtype, device=v.device)
+            for row, (length, keys, values, _) in prefix_of.items():
+                prefix_k[row, :, :length] = keys[layer]
+                prefix_v[row, :, :length] = values[layer]
+            return F.scaled_dot_product_attention(q, torch.cat([prefix_k, k], dim=2), torch.cat([prefix_v, v], dim=2),
+                                                  attn_mask=masks[windows[layer]], scale=self.scale,
+                                                  enable_gqa=self.kv_heads != self.num_heads)
+
+        hidden = self._run(ids, positions, attend)
+        done: list[tuple] = []  # (prefix hidden, params, columns with the prefix's rows filled)
+        for row, g in enumerate(groups):
+            if not g.params.needs_prompt_logits:
+                continue
+            full = torch.tensor(g.prompt_ids, dtype=torch.long, device=self.device)
+            mine = hidden[row, :own[row]]
+            if row not in prefix_of:
+                g.prompt_columns = self._prompt_columns(mine, full, g.params)
+                continue
+            # Rows 1..P-1 (the prefix's own tokens) are the same for every prompt of the prefix: reduced
+            # once per prefix and settings, copied; rows P.. (predicted from the prefix's last state on)
+            # are this prompt's own.
+            length, _, _, prefix_hidden = prefix_of[row]
+            cols = self.new_prompt_columns(g.num_prompt_tokens, g.params)
+            filled = next((c for h, p, c in done if h is prefix_hidden and p == g.params), None)
+            if filled is None:
+                self.fill_prompt_columns(cols, prefix_hidden[:length - 1], full, 0)
+                done.append((prefix_hidden, g.params, cols))
+            else:
+                copy_rows(filled, cols, 1, length)
+            self.fill_prompt_columns(cols, torch.cat([prefix_hidden[length - 1:], mine]), full, length - 1)
+            g.prompt_columns = cols
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -589,6 +670,47 @@ class FastRunner(ModelRunner):
                 self.cache.remove(row)
         group.rows = []
         group.cache = None
+
+
+def copy_rows(source: PromptColumns, target: PromptColumns, start: int, stop: int) -> None:
+    """Rows start..stop-1 of every per-position array of `source` into `target` (same settings)."""
+    for name in ("logprobs", "ranks", "top_ids", "top_logprobs", "full", "full_ranks"):
+        array = getattr(source, name)
+        if array is not None:
+            getattr(target, name)[start:stop] = array[start:stop]
+    if source.extras is not None:
+        for name, array in vars(source.extras).items():
+            if isinstance(array, np.ndarray) and name != "token_ids":
+                getattr(target.extras, name)[start:stop] = array[start:stop]
+
+
+def shared_prefixes(prompts: list[list[int]], minimum: int) -> list[tuple[int, list[int]]]:
+    """[(prefix length, indices of the prompts that begin with it)] for runs of at least two prompts whose
+    common first tokens number at least `minimum`; each prompt keeps one token of its own at least (the
+    state before it predicts it). Prompts are taken in sorted order, so a context's continuations meet
+    whatever order they came in."""
+    order = sorted(range(len(prompts)), key=lambda i: prompts[i])
+    clusters, run, length = [], [], 0
+    for i in order:
+        if run:
+            common = _common(prompts[run[0]], prompts[i], min(length, len(prompts[i]) - 1))
+            if common >= minimum:
+                run.append(i)
+                length = common
+                continue
+            if len(run) > 1:
+                clusters.append((length, run))
+        run, length = [i], len(prompts[i]) - 1
+    if len(run) > 1:
+        clusters.append((length, run))
+    return clusters
+
+
+def _common(a: list[int], b: list[int], limit: int) -> int:
+    n = 0
+    while n < limit and a[n] == b[n]:
+        n += 1
+    return n
 
 
 class StaticStep:
