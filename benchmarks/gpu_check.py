@@ -142,10 +142,24 @@ def families(device, tokenizer):
                                             SamplingParams(max_tokens=12, n=2, temperature=1.0, seed=i, logprobs=5,
                                                            prompt_logprobs=5), engine.table)
                               for i, p in enumerate(prompts)]
-                    run_groups(engine, groups)
+                    # prompt-only prompts sharing a context (its pass shared: fast_runner._prefill_shared)
+                    context = tokenizer("Question: which of these animals lives in the sea, swims fast and "
+                                        "breathes air like we do? Answer:").input_ids
+                    scored = [SequenceGroup(f"s{i}", context + tokenizer(a, add_special_tokens=False).input_ids,
+                                            SamplingParams(max_tokens=0, prompt_logprobs=2), engine.table)
+                              for i, a in enumerate([" the dolphin", " a cow", " the small brown horse"])]
+                    shared = []
+                    if hasattr(engine.runner, "_prefill_shared"):
+                        plain = engine.runner._prefill_shared
+                        engine.runner._prefill_shared = lambda gs, cs: shared.append(cs) or plain(gs, cs)
+                    run_groups(engine, groups + scored)
                 finally:
                     engine.stop()
                 worst = 0.0
+                for g in scored:
+                    ref = reference_rows(model64, list(g.prompt_ids))
+                    want = ref[np.arange(len(g.prompt_ids) - 1), g.prompt_ids[1:]]
+                    worst = max(worst, float(np.abs(g.prompt_columns.logprobs[1:] - want).max()))
                 for g in groups:
                     for seq in g.sequences:
                         ids = list(g.prompt_ids) + seq.token_ids
@@ -157,8 +171,9 @@ def families(device, tokenizer):
                         want_gen = ref[np.arange(len(g.prompt_ids) - 1, len(g.prompt_ids) - 1 + n), seq.token_ids]
                         worst = max(worst, float(np.abs(got_prompt - want_prompt).max()),
                                     float(np.abs(got_gen - want_gen).max()))
-                out[name] = {"runner": engine.info.runner, "max_abs_error": worst}
-                say(f"   {name:22s} {engine.info.runner:12s} max |logprob - float64| = {worst:.2e}")
+                out[name] = {"runner": engine.info.runner, "max_abs_error": worst, "shared_prefix_ran": bool(shared)}
+                say(f"   {name:22s} {engine.info.runner:12s} max |logprob - float64| = {worst:.2e}"
+                    + ("  (shared-prefix scoring ran)" if shared else ""))
             except Exception as exc:
                 traceback.print_exc()
                 out[name] = {"error": f"{type(exc).__name__}: {exc}"}
