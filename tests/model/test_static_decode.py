@@ -11,7 +11,9 @@ import asyncio
 
 import numpy as np
 import pytest
+import torch
 
+from logprobe.engine import fast_runner
 from logprobe.engine.engine import Engine
 from logprobe.engine.request import SamplingParams, SequenceGroup
 from test_families import build
@@ -36,7 +38,7 @@ def run(engine, groups):
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])
-def test_the_fixed_shape_step_answers_as_the_eager_one(kind, tokenizer, reference_of):
+def test_the_fixed_shape_step_answers_as_the_eager_one(kind, tokenizer, reference_of, monkeypatch):
     model = build(kind, len(tokenizer))
     eager = Engine(model, tokenizer, "eager", [], kv_cache_positions=8)
     static = Engine(model, tokenizer, "static", [], kv_cache_positions=8)
@@ -44,7 +46,15 @@ def test_the_fixed_shape_step_answers_as_the_eager_one(kind, tokenizer, referenc
     static.runner.static_decode = True
     passes = []
     original = static.runner._static_pass
-    static.runner._static_pass = lambda slab, ids, lengths: passes.append(ids.shape[0]) or original(slab, ids, lengths)
+    static.runner._static_pass = lambda k, v, ids, lengths: passes.append(ids.shape[0]) or original(k, v, ids, lengths)
+    made = []
+
+    class Counted(fast_runner.StaticStep):
+        def __init__(self, *args):
+            made.append(1)
+            super().__init__(*args)
+
+    monkeypatch.setattr(fast_runner, "StaticStep", Counted)
     eager_steps = []
     original_eager = static.runner._decode_eager
     static.runner._decode_eager = lambda *args: eager_steps.append(1) or original_eager(*args)
@@ -71,4 +81,42 @@ def test_the_fixed_shape_step_answers_as_the_eager_one(kind, tokenizer, referenc
     # the fixed-shape step ran, on padded batches (sizes that are powers of two), as well as the eager
     # path (for the steps spanning two size classes)
     assert passes and set(passes) <= {1, 2, 4, 8, 16} and eager_steps
+    # Steps are kept across decode steps and rounds (as a GPU keeps its graphs), each dropped once its
+    # slab holds other tensors: a kept step runs over the tensors it was made on, so one kept past a
+    # change of its slab would have given wrong numbers above. Fewer steps were made than passes ran.
+    assert len(made) < len(passes)
+    assert all(step.holds(static.runner.cache) for step in static.runner.graphs.values())
+    static.runner.on_idle()
+    assert not static.runner.graphs
     assert static.runner.cache.is_consistent()
+
+
+def test_a_kept_step_is_dropped_when_its_slab_changes(tokenizer, reference_of):
+    """A kept step (a GPU's recorded graph) writes and reads the tensors it was made on. When the slab's
+    tensors are replaced (its slots grow, a class is rebuilt), the step must be dropped: a kept one
+    would write the next key into the old tensors, and the steps after it (here eager ones) would
+    attend to a position never written."""
+    model = build("llama", len(tokenizer))
+    engine = Engine(model, tokenizer, "static", [])
+    runner = engine.runner
+    runner.static_decode = True
+    groups = [SequenceGroup(f"g{i}", engine.tokenizer(p).input_ids, SamplingParams(max_tokens=40, temperature=0.0),
+                            engine.table) for i, p in enumerate(["a b c", "The quick brown fox", "One two three"])]
+    for g in groups:
+        engine.scheduler.add(g)
+    with torch.inference_mode():
+        for step in range(12):
+            if step == 5:  # the slab's tensors replaced by copies (same contents, new storage)
+                slab = next(iter(runner.cache.slabs.values()))
+                runner.cache._install(slab.capacity, [t.clone() for t in slab.keys],
+                                      [t.clone() for t in slab.values])
+            runner.static_decode = step < 8  # then eager steps, over the slab's current tensors
+            engine.step(engine.scheduler.schedule())
+    reference = reference_of(model)
+    for g in groups:
+        seq = g.sequences[0]
+        assert len(seq.token_ids) >= 10
+        ref = reference.logprobs(list(g.prompt_ids) + seq.token_ids).numpy()
+        start = len(g.prompt_ids) - 1
+        want = ref[np.arange(start, start + len(seq.token_ids)), seq.token_ids]
+        assert np.abs(np.asarray(seq.logprobs) - want).max() < TOL

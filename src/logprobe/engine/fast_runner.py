@@ -613,7 +613,9 @@ class FastRunner(ModelRunner):
         size in STATIC_BATCHES (padding rows write into the slab's unused slots, at position 0), and
         attention over the slab's whole capacity with a length mask (and each sliding window's band), so
         one CUDA graph per (padded batch, slab) replays every step until the slab changes. On a CPU the
-        same pass runs eagerly. None where the slab has too few slots for the padding."""
+        same pass runs eagerly, over the tensors its step was made on, as a replayed graph does (so the
+        tests see a step kept past a change of its slab). None where the slab has too few slots for the
+        padding."""
         count = inputs.shape[0]
         batch = next((b for b in self.STATIC_BATCHES if b >= count), None)
         if batch is None or batch > slab.num_slots:
@@ -624,16 +626,17 @@ class FastRunner(ModelRunner):
         step = self.graphs.get(key)
         if step is None:
             step = StaticStep(self, slab, batch)
-            if self.device.type == "cuda":
-                while len(self.graphs) >= self.MAX_GRAPHS:
-                    del self.graphs[next(iter(self.graphs))]
-                self.graphs[key] = step
+            while len(self.graphs) >= self.MAX_GRAPHS:
+                del self.graphs[next(iter(self.graphs))]
+            self.graphs[key] = step
         step.load(inputs)
         return step.run()[:count]
 
-    def _static_pass(self, slab, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """The fixed-shape decode pass itself (what a CUDA graph records): [batch, V] log probabilities."""
-        batch, capacity = ids.shape[0], slab.capacity
+    def _static_pass(self, keys: list[torch.Tensor], values: list[torch.Tensor], ids: torch.Tensor,
+                     lengths: torch.Tensor) -> torch.Tensor:
+        """The fixed-shape decode pass itself (what a CUDA graph records) over a slab's per-layer keys and
+        values ([S, KV, capacity, D]): [batch, V] log probabilities."""
+        batch, capacity = ids.shape[0], keys[0].shape[2]
         slots = torch.arange(batch, device=self.device)
         columns = torch.arange(capacity, device=self.device)[None, :]
         mask = columns <= lengths[:, None]
@@ -644,10 +647,10 @@ class FastRunner(ModelRunner):
         kv_heads, group = self.kv_heads, self.num_heads // self.kv_heads
 
         def attend(layer, q, k, v):
-            slab.keys[layer][slots, :, lengths] = k[:, :, 0]
-            slab.values[layer][slots, :, lengths] = v[:, :, 0]
-            out = F.scaled_dot_product_attention(q.reshape(batch, kv_heads, group, -1), slab.keys[layer][:batch],
-                                                 slab.values[layer][:batch], attn_mask=masks[windows[layer]],
+            keys[layer][slots, :, lengths] = k[:, :, 0]
+            values[layer][slots, :, lengths] = v[:, :, 0]
+            out = F.scaled_dot_product_attention(q.reshape(batch, kv_heads, group, -1), keys[layer][:batch],
+                                                 values[layer][:batch], attn_mask=masks[windows[layer]],
                                                  scale=self.scale)
             return out.reshape(batch, kv_heads * group, 1, -1)
 
@@ -742,18 +745,18 @@ class StaticStep:
     def run(self) -> torch.Tensor:
         runner = self.runner
         if runner.device.type != "cuda":
-            return runner._static_pass(self.slab, self.ids, self.lengths)
+            return runner._static_pass(*self.tensors, self.ids, self.lengths)
         if self.graph is None:
             # Record after one pass on a side stream (kernels choose their algorithms there). Both write
             # the same keys and values at the same positions as the replay below.
             side = torch.cuda.Stream(runner.device)
             side.wait_stream(torch.cuda.current_stream(runner.device))
             with torch.cuda.stream(side):
-                runner._static_pass(self.slab, self.ids, self.lengths)
+                runner._static_pass(*self.tensors, self.ids, self.lengths)
             torch.cuda.current_stream(runner.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                self.out = runner._static_pass(self.slab, self.ids, self.lengths)
+                self.out = runner._static_pass(*self.tensors, self.ids, self.lengths)
             self.graph = graph
         self.graph.replay()
         return self.out

@@ -29,8 +29,8 @@ from ..backend import SamplingParams
 class BatchSettings:
     """The sampling settings of a batch's rows as device tensors (None where no row needs them)."""
 
-    greedy: torch.Tensor  # [B] bool
-    temperature: torch.Tensor  # [B, 1] float32 (1 for greedy rows: they are not drawn)
+    greedy: torch.Tensor | None  # [B] bool (None when every row is greedy, as the other tensors)
+    temperature: torch.Tensor | None  # [B, 1] float32 (1 for greedy rows: they are not drawn)
     top_k: torch.Tensor | None  # [B, 1] int64, 0 where a row keeps every token
     top_p: torch.Tensor | None  # [B, 1] float32, +inf where a row keeps every token
     all_greedy: bool
@@ -43,6 +43,9 @@ class BatchSettings:
     def of(cls, params: list[SamplingParams], vocab: int, device, seeds: list[int] | None = None) -> "BatchSettings":
         """The rows' settings moved to the device in one copy; `seeds` seed the rows' random numbers."""
         greedy = [p.is_greedy for p in params]
+        if all(greedy):  # nothing is drawn: no settings need the device
+            return cls(greedy=None, temperature=None, top_k=None, top_p=None, all_greedy=True, max_top_k=0,
+                       greedy_rows=greedy)
         top_k = [p.top_k if not g and 0 < p.top_k < vocab else 0 for p, g in zip(params, greedy)]
         top_p = [p.top_p if not g and p.top_p < 1.0 else float("inf") for p, g in zip(params, greedy)]
         temperature = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
