@@ -1,11 +1,15 @@
 """A multiple-choice evaluation as lm-evaluation-harness runs one (docs/performance.md, "One context, many
 continuations"): each question is a context of about 95 tokens and 4 answers; each (context, answer)
-pair is a prompt-only request for the answer's log-likelihood, the 4 of a question sent together (as
-`/v1/score` with one `context` and 4 `input`s sends them). Measured in one process on the bundled model:
-the engine as it runs (prompts of one batch that share their first tokens share that prefix's pass)
-against the same engine with sharing turned off, in alternating rounds; tokens run through the blocks
-(real and padded) and wall time for all questions, and the largest difference between the two's log
-probabilities.
+pair is a prompt-only request for the answer's log-likelihood. Measured in one process on the bundled
+model, in alternating rounds; tokens run through the blocks (real and padded), wall time for all
+questions, and the largest difference between the arms' log probabilities:
+
+* the 4 answers of a question sent together (as `/v1/score` with one `context` and 4 `input`s sends
+  them): the engine as it runs (prompts of one batch that share their first tokens share that prefix's
+  pass) against the same engine with sharing turned off (the prefix cache off in both);
+* the answers in separate batches, one request each, longest first (as lm-evaluation-harness's length
+  sorting sends them, so a question's answers are far apart): the prefix cache (engine/prefix_cache.py,
+  emptied before each round) on against off.
 
     python benchmarks/multiple_choice.py [--questions 24] [--rounds 3] [--dtype float32|bfloat16]
 """
@@ -27,6 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from logprobe.engine import loader  # noqa: E402
 from logprobe.engine.engine import Engine  # noqa: E402
 from logprobe.engine.fast_runner import shared_prefixes  # noqa: E402
+from logprobe.engine.prefix_cache import PrefixCache  # noqa: E402
 from logprobe.engine.request import SamplingParams, SequenceGroup  # noqa: E402
 
 SUBJECTS = ["the river", "the old library", "a mountain village", "the harbour", "the northern forest",
@@ -65,6 +70,26 @@ def run(engine, items) -> tuple[float, list[np.ndarray]]:
     return time.perf_counter() - t0, logprobs
 
 
+def run_sorted(engine, items) -> tuple[float, list[np.ndarray]]:
+    """Every (context, answer) request alone, longest first (ties in question order): log probabilities in
+    the order `run` gives them."""
+    order = sorted(((q, j) for q, (_, answers) in enumerate(items) for j in range(len(answers))),
+                   key=lambda qj: -(len(items[qj[0]][0]) + len(items[qj[0]][1][qj[1]])))
+    found = {}
+
+    async def main():
+        for q, j in order:
+            context, answers = items[q]
+            group = SequenceGroup("mc", context + answers[j], SamplingParams(max_tokens=0, prompt_logprobs=1),
+                                  engine.table)
+            await engine.run_groups([group])
+            found[q, j] = group.prompt_columns.logprobs[len(context):]
+
+    t0 = time.perf_counter()
+    asyncio.run(main())
+    return time.perf_counter() - t0, [found[q, j] for q, (_, ans) in enumerate(items) for j in range(len(ans))]
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--questions", type=int, default=24)
@@ -83,22 +108,30 @@ def main():
 
     runner._run = counting
     items = questions(tokenizer, args.questions)
+    cache, off = runner.prefix_cache, PrefixCache(0)
+    modes = ("shared", "separate", "cached", "uncached")
     engine.start()
     try:
+        runner.prefix_cache = off
         run(engine, items[:2])  # warm-up
-        times = {"shared": [], "separate": []}
+        run_sorted(engine, items[:2])
+        times = {mode: [] for mode in modes}
         tokens, answers = {}, {}
         for _ in range(args.rounds):
-            for mode in ("shared", "separate"):
+            for mode in modes:
+                runner.prefix_cache = cache if mode == "cached" else off
+                cache.clear()
                 if mode == "separate":
                     runner.SHARED_PREFIX_MIN = 10**9
                 counted["padded"] = 0
-                seconds, logprobs = run(engine, items)
+                seconds, logprobs = (run if mode in ("shared", "separate") else run_sorted)(engine, items)
                 if mode == "separate":
                     del runner.SHARED_PREFIX_MIN
                 times[mode].append(seconds)
                 tokens[mode] = counted["padded"]
                 answers[mode] = logprobs
+                if mode == "cached":
+                    kept = (len(cache), cache.nbytes)
     finally:
         engine.stop()
     real_separate = sum(len(c) + len(a) for c, ans in items for a in ans)
@@ -107,8 +140,12 @@ def main():
         prompts = [c + a for a in ans]
         (prefix, _), = shared_prefixes(prompts, runner.SHARED_PREFIX_MIN)
         real_shared += prefix + sum(len(p) - prefix for p in prompts)
-    diff = max(float(np.abs(a - b).max()) for a, b in zip(answers["shared"], answers["separate"]))
+    def largest(a, b):
+        return max(float(np.abs(x - y).max()) for x, y in zip(answers[a], answers[b]))
+
+    diff = largest("shared", "separate")
     ratios = [s / t for s, t in zip(times["separate"], times["shared"])]
+    cache_ratios = [s / t for s, t in zip(times["uncached"], times["cached"])]
     print(f"{args.questions} questions x 4 answers, bundled model, {args.dtype}, {torch.get_num_threads()} threads, "
           f"{time.strftime('%Y-%m-%d')}")
     print("| | tokens through the blocks (real / with padding) | seconds per round | ")
@@ -118,6 +155,17 @@ def main():
     print(f"| shared context | {real_shared:,} / {tokens['shared']:,} | {', '.join(f'{t:.2f}' for t in times['shared'])} |")
     print(f"speed-up per round (alternating): {', '.join(f'{r:.2f}x' for r in ratios)}, median "
           f"{statistics.median(ratios):.2f}x; largest log probability difference {diff:.1e}")
+    print()
+    print("answers in separate batches, longest first (one request per batch):")
+    print("| | tokens through the blocks | seconds per round |")
+    print("| --- | --- | --- |")
+    for mode, name in (("uncached", "prefix cache off"), ("cached", "prefix cache on")):
+        print(f"| {name} | {tokens[mode]:,} | {', '.join(f'{t:.2f}' for t in times[mode])} |")
+    print(f"speed-up per round (alternating): {', '.join(f'{r:.2f}x' for r in cache_ratios)}, median "
+          f"{statistics.median(cache_ratios):.2f}x; cache hits {cache.hits} of {cache.hits + cache.misses} "
+          f"lookups over all rounds, {kept[0]} entries and {kept[1] / 2**20:.1f} MB held after a round; largest "
+          f"log probability difference {largest('cached', 'uncached'):.1e} (cache on against off), "
+          f"{largest('cached', 'shared'):.1e} (against the answers sent together)")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,26 @@ import numpy as np
 from .tokens import TokenTable
 
 
+@dataclass(eq=False)
+class Intervention:
+    """One change to the residual stream of a request's forward passes (docs/api.md, section 2.4), as
+    the API validated it. At `layer` (0: entering block 0; l: leaving block l, as output_residual_stream
+    numbers them) and at `positions` (token positions, prompt then generated; negative ones count from
+    the prompt's end; None: every position), the stream x becomes x + vector ("add"), x * factor
+    ("scale"; "zero" is factor 0) or vector ("set"). A "patch" is a "set" whose vector is another
+    prompt's stream (`source_ids` at `source_position` of `source_layer`), computed by the engine."""
+
+    layer: int
+    op: str  # "add" | "scale" | "set" | "patch"
+    positions: tuple[int, ...] | None = None
+    vector: np.ndarray | None = None  # [d_model] float32 ("add", "set")
+    factor: float = 1.0  # "scale"
+    source_ids: tuple[int, ...] = ()  # "patch"
+    source_position: int = -1
+    source_layer: int | None = None  # None: `layer`
+    source_text: str | None = None  # "patch" on a text: the API tokenizes it into source_ids
+
+
 @dataclass
 class SamplingParams:
     """Everything the engine needs to run one prompt's choices."""
@@ -44,6 +64,8 @@ class SamplingParams:
     top_logprobs_p: float | None = None  # the smallest set of likeliest tokens whose mass reaches p
     max_top_p_tokens: int = 100  # ... at most this many tokens (the server's cap)
     logprobs_mode: str = "raw"  # "raw", "processed" (the distribution the token was drawn from) or "both"
+    interventions: tuple[Intervention, ...] = ()  # changes to the residual stream, in order (docs/api.md, 2.4)
+    return_unmodified: bool = False  # ... and the log probabilities of the same tokens without them
 
     @property
     def is_greedy(self) -> bool:
@@ -199,6 +221,9 @@ class ChoiceOutput:
     # "processed" mode, `logprobs` and `top_logprobs` above hold those numbers themselves)
     processed_logprobs: np.ndarray | None = None  # [T] float32
     processed_top_logprobs: np.ndarray | None = None  # [T, k] float32, of the tokens in top_ids
+    # return_unmodified: the columns of prompt + kept tokens from a pass without the request's
+    # interventions (row i: token i's log probability, rank and the top-k there)
+    unmodified: PromptColumns | None = None
 
 
 @dataclass

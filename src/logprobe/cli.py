@@ -38,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-cache-positions", type=int, default=env_default("kv_cache_positions", s.kv_cache_positions),
                        metavar="N", help="positions per sequence the batched KV cache starts with; it doubles "
                        "as sequences grow and returns to this size when the server is idle")
+    serve.add_argument("--prefix-cache-mb", type=int, default=env_default("prefix_cache_mb", s.prefix_cache_mb),
+                       metavar="MB", help="memory for prompt prefixes' keys and values kept across batches of "
+                       "prompt-only requests (scoring, echo with max_tokens 0), so a context scored again runs "
+                       "only its continuation; least recently used out; 0: off")
     serve.add_argument("--host", default=env_default("host", s.host),
                        help="address to bind (default 127.0.0.1: only this machine; use 0.0.0.0 with --api-key)")
     serve.add_argument("--port", type=int, default=env_default("port", s.port))
@@ -125,7 +129,7 @@ def settings_from_args(args) -> Settings:
     return Settings(model=specs[0].source, aliases=specs[0].aliases, models=specs, chat_template=args.chat_template, dtype=args.dtype, device=args.device,
                     quantization=args.quantization, max_model_len=args.max_model_len,
                     kv_cache_positions=args.kv_cache_positions, host=args.host, port=args.port, log_level=args.log_level, limits=limits, admission=admission,
-                    api_keys=keys, replicas=args.replicas, ray_address=args.ray_address,
+                    prefix_cache_mb=args.prefix_cache_mb, api_keys=keys, replicas=args.replicas, ray_address=args.ray_address,
                     cpus_per_replica=args.cpus_per_replica, ray_cpus=args.ray_cpus,
                     max_ongoing_per_replica=args.max_ongoing_per_replica)
 
@@ -231,7 +235,8 @@ def load_engines(settings: Settings) -> list:
             except OSError as exc:
                 raise loader.ModelLoadError(f"cannot read --chat-template: {exc.strerror}") from None
         engines.append(Engine(model, tokenizer, source.name, aliases, max_model_len=settings.max_model_len or None,
-                              kv_cache_positions=settings.kv_cache_positions))
+                              kv_cache_positions=settings.kv_cache_positions,
+                              prefix_cache_mb=settings.prefix_cache_mb))
     return engines
 
 

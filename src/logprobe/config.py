@@ -21,6 +21,7 @@ class Limits:
     max_lens_rows: int = 8192  # output_lens: positions x layers x n, each a pass of the head
     max_logprob_token_ids: int = 128  # logprob_token_ids: ids asked at every position
     max_top_p_tokens: int = 100  # top_logprobs_p: tokens of one position's set (more: truncated)
+    max_interventions: int = 16  # interventions: changes to the residual stream in one request
     max_n: int = 16
     max_prompts: int = 256
     max_body_bytes: int = 16 * 1024 * 1024
@@ -61,6 +62,7 @@ class Settings:
     quantization: str = "none"  # "int4": 4-bit decode weights (engine/int4.py)
     max_model_len: int = 0  # 0: the model's context length; less: serve a shorter context (vLLM's option)
     kv_cache_positions: int = 256  # positions per slot the batched KV cache starts with (it doubles, then shrinks back when idle)
+    prefix_cache_mb: int = 256  # prompt prefixes' keys and values kept across prompt-only batches (0: off)
     host: str = "127.0.0.1"
     port: int = 8000
     log_level: str = "info"

@@ -506,6 +506,7 @@ WRONG_TYPES = {
         "prompt_logprobs": "all", "vocab_encoding": 16, "output_residual_stream": 3, "output_lens": 3,
         "add_special_tokens": "false", "return_tokens_as_token_ids": 1, "stream_options": [True],
         "logprob_token_ids": "330", "position_stats": 1, "top_logprobs_p": "0.9", "logprobs_mode": ["raw"],
+        "interventions": {"layer": 1}, "return_unmodified": "yes",
     },
     "/v1/chat/completions": {
         "model": ["tiny"], "messages": {"role": "user", "content": "hi"}, "max_tokens": False,
@@ -515,6 +516,7 @@ WRONG_TYPES = {
         "output_lens": "all",
         "return_tokens_as_token_ids": "true", "stream_options": "usage",
         "logprob_token_ids": [[330]], "position_stats": "true", "top_logprobs_p": [0.5], "logprobs_mode": True,
+        "interventions": "add", "return_unmodified": 1,
     },
     "/v1/score": {
         "model": True, "input": 5, "context": 5, "add_bos": "true", "top_logprobs": "3",

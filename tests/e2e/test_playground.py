@@ -154,6 +154,34 @@ def test_lens_view(page, server, tmp_path):
     shot(page, "lens.png", tmp_path)
 
 
+def test_patch_view(page, server, tmp_path):
+    """One row per patched layer: the next token under the patch and both probabilities, the API's numbers."""
+    page.click("#tab-patch")
+    page.fill("#patch-step", "10")
+    page.click("#patch-run")
+    page.wait_for_function("document.querySelector('#patch-status').textContent.startsWith('Patched')",
+                           timeout=60_000)
+    rows = page.locator("#patch-table tbody tr")
+    assert rows.count() == 4  # layers 0, 10, 20 and 30
+    text, source = page.input_value("#patch-text"), page.input_value("#patch-source")
+    answers = set()
+    for r, layer in enumerate((0, 10, 20, 30)):
+        api = httpx.post(server + "/v1/completions", json={
+            "model": MODEL, "prompt": text, "max_tokens": 1, "temperature": 0, "logprobs": 1, "return_unmodified": True,
+            "interventions": [{"layer": layer, "op": "patch", "positions": [-1],
+                               "source": {"prompt": source, "position": -1}}]}).json()["choices"][0]
+        row = rows.nth(r)
+        assert row.get_attribute("data-layer") == str(layer)
+        assert row.locator("td").nth(0).inner_text() == '"' + api["text"] + '"'
+        assert math.isclose(float(row.get_attribute("data-p")), math.exp(api["logprobs"]["token_logprobs"][0]),
+                            rel_tol=1e-4, abs_tol=1e-6)
+        assert math.isclose(float(row.get_attribute("data-q")), math.exp(api["unmodified"]["logprobs"][-1]),
+                            rel_tol=1e-4, abs_tol=1e-6)
+        answers.add(api["text"])
+    assert answers == {" Paris", " Rome"}  # the source's answer appears once the last layers are patched
+    shot(page, "patch.png", tmp_path)
+
+
 def test_phone_sized_screen(browser, server, tmp_path):
     ctx = browser.new_context(viewport={"width": 390, "height": 844})
     pg = ctx.new_page()

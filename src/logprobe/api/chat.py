@@ -21,7 +21,7 @@ from ..output.instruments import chat_tops_with_token
 from ..output.logprobs import TokenNamer, chat_logprobs_content
 from . import validation as v
 from .common import (ResidualRequest, check_request_caps, check_text_length, instrument_blocks, parse_shared,
-                     prompt_logprobs_parts, residual_layers, residual_of, lens_of)
+                     prompt_logprobs_parts, residual_layers, residual_of, lens_of, unmodified_of)
 from .errors import InvalidRequest
 from .streaming import sse
 
@@ -30,7 +30,7 @@ CHAT_FIELDS = {
     "stream_options", "stop", "seed", "logprobs", "top_logprobs", "user",
     # logprobe / vLLM extensions
     "top_k", "prompt_logprobs", "vocab_encoding", "output_residual_stream", "output_lens", "return_tokens_as_token_ids",
-    "logprob_token_ids", "position_stats", "top_logprobs_p", "logprobs_mode",
+    "logprob_token_ids", "position_stats", "top_logprobs_p", "logprobs_mode", "interventions", "return_unmodified",
 }
 UNIMPLEMENTED_FIELDS = {
     "frequency_penalty": (None, 0),
@@ -192,6 +192,8 @@ def format_response(backend, req: ChatRequest, request: GenerationRequest, out: 
             choice["residual_stream"] = residual_of(backend, req.residual, seq)
         if params.lens_layers:
             choice["logit_lens"] = lens_of(backend, namer, params, request.prompt_ids, seq)
+        if params.return_unmodified:
+            choice["unmodified"] = unmodified_of(namer, params, request.prompt_ids, seq)
         if params.needs_position_columns:
             choice.update(instrument_blocks(params, namer, out.prompt_columns, _listed(backend, seq)))
         if params.logprobs_mode == "both":

@@ -21,6 +21,7 @@ from ..output.prompt_json import PromptLogprobsEncoder, iter_dense
 from ..output.residual import residual_payload
 from . import validation as v
 from .errors import ContextLengthExceeded, InvalidRequest
+from .interventions import check_interventions, parse_interventions
 
 
 @contextlib.contextmanager
@@ -199,6 +200,7 @@ def parse_shared(body: dict, limits: Limits) -> SharedFields:
         raise InvalidRequest("'output_lens' does not work with 'stream': true. Send the request without "
                              "streaming to get the logit lens.", "output_lens")
     sampling.update(lens)
+    sampling.update(parse_interventions(body, limits, stream))
     return SharedFields(
         sampling=sampling, stream=stream, include_usage=include_usage, vocab_encoding=vocab_encoding,
         residual=residual,
@@ -280,6 +282,7 @@ def check_request_caps(backend, prompts: list[list[int]], params: SamplingParams
                 f"Too many logit-lens rows: positions x layers x n, summed over the prompts, is {rows}, over "
                 f"this server's cap of {limits.max_lens_rows} (max_lens_rows). Each row is a pass of the "
                 "head over the whole vocabulary; ask for fewer layers, positions or choices.", "output_lens")
+    check_interventions(backend, prompts, params, limits)
     if params.needs_prompt_logits:
         if positions > limits.max_prompt_logprob_positions:
             param = positions_param or positions_field(params)
@@ -390,6 +393,24 @@ def lens_of(backend, namer: TokenNamer, params: SamplingParams, prompt_ids, seq)
             entry["top_logprobs"] = [None] + wire_floats(cols.top_logprobs[1:len(ids), :params.lens_top_k]).tolist()
         layers.append(entry)
     return {"token_ids": ids, "tokens": namer.names(np.asarray(ids, dtype=np.int64)), "layers": layers}
+
+
+def unmodified_of(namer: TokenNamer, params: SamplingParams, prompt_ids, seq) -> dict:
+    """A choice's `unmodified` block (return_unmodified): every position's token log probability and
+    rank, prompt then generated, from a pass without the request's interventions, with the k likeliest
+    tokens there (k: the larger of logprobs and prompt_logprobs; position 0 null), laid out as a layer
+    of `logit_lens`."""
+    ids = [int(t) for t in prompt_ids] + [int(t) for t in seq.token_ids]
+    cols, k = seq.unmodified, max(params.logprobs or 0, params.num_prompt_top)
+    out = {"token_ids": ids, "tokens": namer.names(np.asarray(ids, dtype=np.int64)),
+           "logprobs": [None] + wire_floats(cols.logprobs[1:len(ids)]).tolist(),
+           "ranks": [None] + cols.ranks[1:len(ids)].tolist()}
+    if k:
+        top_ids = cols.top_ids[1:len(ids), :k]
+        out["top_token_ids"] = [None] + top_ids.tolist()
+        out["top_tokens"] = [None] + [namer.names(row) for row in top_ids]
+        out["top_logprobs"] = [None] + wire_floats(cols.top_logprobs[1:len(ids), :k]).tolist()
+    return out
 
 
 def residual_layers(backend, residual: ResidualRequest | None) -> tuple[int, ...]:

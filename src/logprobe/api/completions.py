@@ -19,7 +19,7 @@ from ..output.instruments import asked_ids_top, join_legacy
 from ..output.logprobs import TokenNamer, legacy_logprobs
 from . import validation as v
 from .common import (Parts, ResidualRequest, check_request_caps, check_text_length, instrument_blocks, parse_shared,
-                     prompt_logprobs_parts, residual_layers, residual_of, lens_of)
+                     prompt_logprobs_parts, residual_layers, residual_of, lens_of, unmodified_of)
 from .errors import InvalidRequest
 from .streaming import sse
 
@@ -29,6 +29,7 @@ COMPLETION_FIELDS = {
     # logprobe / vLLM extensions
     "top_k", "prompt_logprobs", "vocab_encoding", "output_residual_stream", "output_lens", "add_special_tokens",
     "return_tokens_as_token_ids", "logprob_token_ids", "position_stats", "top_logprobs_p", "logprobs_mode",
+    "interventions", "return_unmodified",
 }
 # OpenAI fields logprobe does not implement: accepted only at these neutral values (the last is shown).
 UNIMPLEMENTED_FIELDS = {
@@ -198,6 +199,8 @@ def format_response(backend, req: CompletionRequest, requests: list[GenerationRe
                 choice["residual_stream"] = residual_of(backend, req.residual, seq)
             if params.lens_layers:
                 choice["logit_lens"] = lens_of(backend, namer, params, prompt_ids, seq)
+            if params.return_unmodified:
+                choice["unmodified"] = unmodified_of(namer, params, prompt_ids, seq)
             if params.needs_position_columns:
                 choice.update(instrument_blocks(params, namer, out.prompt_columns, seq.extras))
             if params.logprobs_mode == "both":

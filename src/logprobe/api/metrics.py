@@ -27,6 +27,8 @@ class EngineMetrics:
                                     buckets=BATCH, registry=r)
         self.kv_cache_bytes = Gauge("logprobe_kv_cache_bytes", "Bytes allocated to the batched KV cache", labels,
                                     registry=r)
+        self.prefix_cache_bytes = Gauge("logprobe_prefix_cache_bytes", "Bytes held by the prefix cache of "
+                                        "prompt-only requests (--prefix-cache-mb)", labels, registry=r)
         self.engine_failures = Counter("logprobe_engine_failures", "Engine failures: 'step' (a shared pass failed; "
                                        "its requests failed and shared state was rebuilt) or 'request' (one "
                                        "request's own work failed)", ["kind", *labels], registry=r)
@@ -39,6 +41,7 @@ class EngineMetrics:
                 self.engine_failures.labels(kind, *([name] if labels else []))
             pick(self.engine_in_flight).set_function(lambda f=model_stats: f()["in_flight"])
             pick(self.kv_cache_bytes).set_function(lambda f=model_stats: f()["kv_cache_bytes"])
+            pick(self.prefix_cache_bytes).set_function(lambda f=model_stats: f().get("prefix_cache_bytes", 0))
             self._children[name] = (pick(self.step_seconds), pick(self.batch_rows), labels and [name] or [])
 
     def observers(self, model=None):

@@ -49,6 +49,26 @@ class LensOptions(Body):
 Lens = Union[list[int], LensOptions]
 
 
+class PatchSource(Body):
+    prompt: Union[str, list[int]] = Field(..., description="Another prompt (a text, tokenized as a prompt is, "
+                                          "or token ids) whose residual stream is patched in.")
+    position: int = Field(-1, description="Its position to read (negative: from its end).")
+    layer: int | None = Field(None, description="Its layer to read; default: the intervention's layer.")
+
+
+class InterventionItem(Body):
+    layer: int = Field(..., description="Where: 0 the embeddings, l block l's output (as for "
+                       "output_residual_stream); negative counts from the end.")
+    op: Literal["add", "scale", "zero", "set", "patch"] = Field(..., description="x + vector, x * factor, 0, "
+                                                                 "vector, or another prompt's stream.")
+    positions: list[int] | None = Field(None, min_length=1, description="Token positions, prompt then "
+                                        "generated; negative: from the prompt's end; null: every position.")
+    vector: Union[str, list[float]] | None = Field(None, description="add, set: d_model values, as base64 of "
+                                                    "little-endian float32 or an array of numbers.")
+    factor: float | None = Field(None, description="scale: the factor.")
+    source: PatchSource | None = Field(None, description="patch: where the vector comes from.")
+
+
 class _Sampling(Body):
     """Fields completions and chat share."""
 
@@ -86,6 +106,12 @@ class _Sampling(Body):
     top_logprobs_p: float | None = Field(None, gt=0, le=1, description=(
         "At every position, the smallest set of likeliest tokens whose probability reaches p (at most "
         "--max-top-p-tokens, else `truncated`), in `position_stats`. Not with stream."))
+    interventions: list[InterventionItem] | None = Field(None, max_length=_L.max_interventions, description=(
+        "Changes to the residual stream of this request's forward passes, in order; the log probabilities "
+        "returned are those under them. Cap: --max-interventions."))
+    return_unmodified: bool | None = Field(False, description="With interventions: each choice's "
+                                           "`unmodified` block, the same tokens' log probabilities without "
+                                           "them. Not with stream.")
     logprobs_mode: Literal["raw", "processed", "both"] | None = Field("raw", description=(
         "raw: log probabilities of the model's distribution; processed: of the distribution each token "
         "was drawn from (after temperature, top-k, top-p); both: raw, plus `processed_logprobs` (not with "

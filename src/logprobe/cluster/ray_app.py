@@ -109,7 +109,8 @@ class ModelReplica:
                 tokenizer.chat_template = fh.read()
         aliases = source.aliases + [a for a in settings.aliases if a not in source.aliases]
         self.engine = Engine(model, tokenizer, source.name, aliases, max_model_len=settings.max_model_len or None,
-                             kv_cache_positions=settings.kv_cache_positions)
+                             kv_cache_positions=settings.kv_cache_positions,
+                             prefix_cache_mb=settings.prefix_cache_mb)
         self.engine.start()
         self.registry = CollectorRegistry()
         self.metrics = EngineMetrics(self.registry, self.engine.stats)
@@ -255,6 +256,7 @@ class RayBackend:
         out = {"in_flight": sum(s["in_flight"] for s in live.values()),
                "steps": sum(s["steps"] for s in live.values()),
                "kv_cache_bytes": sum(s["kv_cache_bytes"] for s in live.values()),
+               "prefix_cache_bytes": sum(s.get("prefix_cache_bytes", 0) for s in live.values()),
                "failing": not ready,
                "step_failures": sum(s["step_failures"] for s in live.values()),
                "request_failures": sum(s["request_failures"] for s in live.values()),

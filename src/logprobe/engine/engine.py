@@ -20,6 +20,7 @@ import torch
 
 from ..backend import (Delta, FinishReason, GenerationOutput, GenerationRequest, ModelInfo, RequestAborted,
                        SamplingParams, StreamEnd, finished_without_forward)
+from .interventions import Edits
 from .request import Sequence, SequenceGroup
 from .streaming import attach_releasers
 from . import fast_runner
@@ -61,13 +62,15 @@ def describe_model(model, tokenizer, name: str, aliases: list[str]) -> ModelInfo
 
 class Engine:
     def __init__(self, model, tokenizer, name: str, aliases: list[str] = (), fast: bool | None = None,
-                 max_model_len: int | None = None, kv_cache_positions: int = 256):
+                 max_model_len: int | None = None, kv_cache_positions: int = 256, prefix_cache_mb: int = 256):
         """`fast`: run the model on logprobe's own batched decode path, the lean path (default: wherever a
         family in engine/families/ runs it; why not is logged); False keeps transformers' forward with a
         cache per request.
         `max_model_len`: serve a shorter context than the model's (prompt + generated tokens), as vLLM's
         option of that name. `kv_cache_positions`: positions per slot the batched KV cache starts with
-        (it doubles as sequences grow, up to the context, and returns to this size when idle)."""
+        (it doubles as sequences grow, up to the context, and returns to this size when idle).
+        `prefix_cache_mb`: memory for prompt prefixes' keys and values kept across batches of prompt-only
+        requests (engine/prefix_cache.py; 0 turns it off; the lean path only)."""
         self.model = model
         self.tokenizer = tokenizer
         self.info = describe_model(model, tokenizer, name, list(aliases))
@@ -78,13 +81,16 @@ class Engine:
             self.info.context_length = max_model_len
         if kv_cache_positions < 1:
             raise ValueError("kv_cache_positions must be at least 1")
+        if prefix_cache_mb < 0:
+            raise ValueError("prefix_cache_mb must be at least 0")
         self.table = TokenTable.build(tokenizer, self.info.vocab_size)
         use_fast = fast_runner.supports(model) if fast is None else fast
         grids = getattr(model, "logprobe_int4", None)
         if grids is not None and not use_fast:
             raise ValueError("4-bit decode weights need the fast path")
         self.runner = (fast_runner.FastRunner(model, grids, max_len=self.info.context_length,
-                                              kv_positions=kv_cache_positions)
+                                              kv_positions=kv_cache_positions,
+                                              prefix_cache_bytes=prefix_cache_mb * 2**20)
                        if use_fast else ModelRunner(model))
         self.info.quantization = "int4" if grids is not None else None
         self.info.runner = "lean" if use_fast else "transformers"
@@ -214,7 +220,8 @@ class Engine:
 
     def stats(self) -> dict:
         return {"in_flight": self.num_in_flight, "steps": self.num_steps,
-                "kv_cache_bytes": self.runner.kv_cache_bytes, **self.health}
+                "kv_cache_bytes": self.runner.kv_cache_bytes, "prefix_cache_bytes": self.runner.prefix_cache_bytes,
+                **self.health}
 
     @contextlib.contextmanager
     def _tracked(self, groups):
@@ -392,6 +399,12 @@ class Engine:
         """One engine step: one decode step for every running group, the next chunk of the prompts being
         prefilled (several short prompts share one forward pass), and a batch of prompt-only groups."""
         self.num_steps += 1
+        for group in plan.prefill + plan.score:
+            if group.params.interventions and group.edits is None:
+                self._each(group, self._resolve_edits)
+        if any(g.error is not None for g in plan.prefill + plan.score):
+            plan.prefill = [g for g in plan.prefill if g.error is None]
+            plan.score = [g for g in plan.score if g.error is None]
         # Decode first: the batch is then exactly the running groups' rows (a group whose prompt
         # finishes in this step joins the batch in the next one).
         if plan.decode:
@@ -409,6 +422,12 @@ class Engine:
                 for seq in group.sequences:
                     seq.finish_reason = FinishReason.LENGTH
                 self._each(group, self._after_step)
+
+    def _resolve_edits(self, group: SequenceGroup) -> None:
+        """A request's interventions made ready for its passes (a patch's vector read from a clean pass
+        over its source prompt), before its first pass."""
+        group.edits = Edits.resolve(group.params.interventions, group.num_prompt_tokens, self.runner.device,
+                                    lambda ids, layer: self.runner.residual_stream(ids, [layer])[layer])
 
     @property
     def runner_chunk(self) -> int:
@@ -454,6 +473,8 @@ class Engine:
                 self._capture_residual(group)
             if group.params.lens_layers:
                 self._capture_lens(group)
+            if group.params.return_unmodified:
+                self._capture_unmodified(group)
         if group.on_step is not None:
             try:
                 group.on_step(group)
@@ -472,7 +493,7 @@ class Engine:
         for seq in group.sequences:
             ids = tuple(group.prompt_ids) + tuple(seq.token_ids[:seq.num_kept_tokens])
             if ids not in by_tokens:
-                by_tokens[ids] = self.runner.residual_stream(list(ids), layers)
+                by_tokens[ids] = self.runner.residual_stream(list(ids), layers, group.edits)
             seq.residual = by_tokens[ids]
 
     def _capture_lens(self, group: SequenceGroup) -> None:
@@ -484,8 +505,21 @@ class Engine:
         for seq in group.sequences:
             ids = tuple(group.prompt_ids) + tuple(seq.token_ids[:seq.num_kept_tokens])
             if ids not in by_tokens:
-                by_tokens[ids] = self.runner.logit_lens(list(ids), layers, params.lens_top_k)
+                by_tokens[ids] = self.runner.logit_lens(list(ids), layers, params.lens_top_k, group.edits)
             seq.lens = by_tokens[ids]
+
+    def _capture_unmodified(self, group: SequenceGroup) -> None:
+        """`return_unmodified`: each choice's prompt and kept tokens through a pass without the request's
+        interventions (the last layer's lens is the model's own distribution), as wide a top-k as the
+        request's `logprobs` and `prompt_logprobs` ask."""
+        params, last = group.params, self.info.num_layers
+        k = max(params.logprobs or 0, params.num_prompt_top)
+        by_tokens: dict[tuple[int, ...], object] = {}
+        for seq in group.sequences:
+            ids = tuple(group.prompt_ids) + tuple(seq.token_ids[:seq.num_kept_tokens])
+            if ids not in by_tokens:
+                by_tokens[ids] = self.runner.logit_lens(list(ids), [last], k)[last]
+            seq.unmodified = by_tokens[ids]
 
     def _pick(self, groups: list[SequenceGroup], lsms: list[torch.Tensor]) -> list:
         """The tokens of every active row of the plain groups (those whose request asked for no

@@ -32,7 +32,9 @@ import torch.nn.functional as F
 
 from .families import family_of
 from .int4 import Int4Linear
+from .interventions import Edits, segment_editor
 from .kv_cache import Row, SlabCache
+from .prefix_cache import BLOCK, PrefixCache
 from .request import PromptColumns, SequenceGroup
 from .sampler import to_device
 from .runner import ModelRunner, _Captured
@@ -109,7 +111,7 @@ class FastRunner(ModelRunner):
     INT4_MAX_ROWS = 8  # decode steps of up to this many rows read the 4-bit weights (when loaded)
 
     def __init__(self, model, int4_grids: dict | None = None, max_len: int | None = None, kv_positions: int = 256,
-                 static_decode: bool | None = None):
+                 static_decode: bool | None = None, prefix_cache_bytes: int = 256 * 2**20):
         super().__init__(model)
         family, reason = family_of(model)
         if family is None:
@@ -161,6 +163,9 @@ class FastRunner(ModelRunner):
         # capacity with a length mask), replayed as CUDA graphs on a GPU; on a CPU (tests) run eagerly.
         self.static_decode = self.device.type == "cuda" if static_decode is None else static_decode
         self.graphs: dict[tuple, StaticStep] = {}
+        # Prompt prefixes' keys and values kept across batches of prompt-only groups (prefix_cache.py);
+        # bounded by bytes, kept when idle, 0 turns it off.
+        self.prefix_cache = PrefixCache(prefix_cache_bytes)
 
     RELEASE_PACKED = True  # see _release; tests turn it off to compare with an engine that keeps both
 
@@ -197,13 +202,17 @@ class FastRunner(ModelRunner):
         return tables
 
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, attend, decode: bool = False,
-             capture=None) -> torch.Tensor:
+             capture=None, edit=None) -> torch.Tensor:
         """Embed ids [B, T] at positions [B, T], run every block with `attend(layer, q, k, v)` doing the
         cache write and attention, and return the final-norm hidden states [B, T, D]. Queries and keys
         are (normalized, where the family does, and) rotated together, in the projection's own layout,
         before the heads are transposed. `capture(layer, x)`, when given, sees the residual stream
-        entering block 0 (layer 0) and leaving each block (layer i + 1)."""
+        entering block 0 (layer 0) and leaving each block (layer i + 1); `edit(layer, x, positions)`,
+        when given, returns the stream at those points as a request's interventions change it
+        (interventions.py), before `capture` sees it and the next block reads it."""
         x = self.family.embed(ids)
+        if edit is not None:
+            x = edit(0, x, positions)
         if capture is not None:
             capture(0, x)
         ropes = self._rope(x, positions)
@@ -228,6 +237,8 @@ class FastRunner(ModelRunner):
             gate, up = gate_up_proj(norm2(x), few).chunk(2, dim=-1)
             out = down_proj(act(gate) * up, few)
             x = x + (out if post_ff is None else post_ff(out))
+            if edit is not None:
+                x = edit(layer + 1, x, positions)
             if capture is not None:
                 capture(layer + 1, x)
         return self.final_norm(x)
@@ -271,11 +282,12 @@ class FastRunner(ModelRunner):
 
     # ---- activations ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def residual_stream(self, ids: list[int], layers: list[int]) -> dict[int, np.ndarray]:
+    def residual_stream(self, ids: list[int], layers: list[int], edits: Edits | None = None) -> dict[int, np.ndarray]:
         """{layer: [len(ids), D] float32} from one pass of the lean blocks over `ids` without a cache
         (the same layers as transformers' hooks give: layer 0 enters block 0, layer l leaves block l,
-        before the final norm); the pass stops after the deepest asked layer. On the lean path because
-        in bfloat16 transformers' own copies of the weights are released (`_release`)."""
+        before the final norm), under a request's `edits` where it has them; the pass stops after the
+        deepest asked layer. On the lean path because in bfloat16 transformers' own copies of the
+        weights are released (`_release`)."""
         wanted, deepest, store = set(layers), max(layers), {}
 
         def capture(layer, x):
@@ -287,7 +299,8 @@ class FastRunner(ModelRunner):
         t = len(ids)
         try:
             self._run(torch.tensor([ids], dtype=torch.long, device=self.device),
-                      torch.arange(t, device=self.device)[None], self._causal_attend(t), capture=capture)
+                      torch.arange(t, device=self.device)[None], self._causal_attend(t), capture=capture,
+                      edit=segment_editor([(0, 0, t, edits)]))
         except _Captured:
             pass
         return {layer: store[layer].numpy() for layer in store}
@@ -318,7 +331,7 @@ class FastRunner(ModelRunner):
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
                                                   scale=self.scale, enable_gqa=self.kv_heads != self.num_heads)
 
-        hidden = self._run(ids, positions, attend)[0]  # [C, D]
+        hidden = self._run(ids, positions, attend, edit=segment_editor([(0, 0, stop - start, group.edits)]))[0]  # [C, D]
         if group.prompt_columns is not None:
             self.fill_prompt_columns(group.prompt_columns, hidden, state.ids, start)
         state.done = stop
@@ -329,11 +342,40 @@ class FastRunner(ModelRunner):
     @torch.inference_mode()
     def prefill_batch(self, groups: list[SequenceGroup]) -> None:
         """Prompt-only groups (scoring, echo with max_tokens 0) in one right-padded pass of the lean path
-        (its packed weights in bfloat16); no KV cache is kept. The plain causal mask is enough: padding
-        sits after each prompt, so a real position never sees it (padded positions' outputs are dropped).
-        Prompts of the batch that begin with the same tokens (one context, several continuations: a
-        multiple-choice question) share that prefix's pass (`_prefill_shared`)."""
-        clusters = shared_prefixes([g.prompt_ids for g in groups], self.SHARED_PREFIX_MIN)
+        (its packed weights in bfloat16); no KV cache is kept for decoding. The plain causal mask is
+        enough: padding sits after each prompt, so a real position never sees it (padded positions'
+        outputs are dropped).
+
+        A prompt's first tokens can skip the blocks two ways (`_prefill_shared` then runs the batch):
+        prompts of the batch that begin with the same tokens (one context, several continuations: a
+        multiple-choice question) share that prefix's pass, and a prompt that begins with a prefix kept in
+        the prefix cache from an earlier batch attends to its keys and values (lm-evaluation-harness
+        sorts requests by length, so the answers of one question mostly come in different batches). A
+        prompt uses the batch's shared prefix where it is longer than its kept one, else the kept one (a
+        header every question begins with, kept, must not undo the sharing of a question's whole context
+        within the batch). After the pass, each shared prefix and each prompt's own whole blocks go into
+        the cache (`_seeds`)."""
+        cache = self.prefix_cache
+        # A group with interventions runs a modified forward pass: its keys and values are not those of
+        # its tokens alone, so it neither uses nor seeds the prefix cache, nor shares a prefix in the batch.
+        plain = [i for i, g in enumerate(groups) if not g.params.interventions]
+        hits = {}
+        for i in plain:
+            hit = cache.lookup(groups[i].prompt_ids)
+            if hit is not None:
+                hits[i] = hit
+        clusters, taken = [], set()
+        for length, members in shared_prefixes([groups[i].prompt_ids for i in plain], self.SHARED_PREFIX_MIN):
+            members = [i for i in (plain[j] for j in members) if i not in hits or hits[i][0] < length]
+            if len(members) > 1:
+                clusters.append((length, members))
+                taken.update(members)
+        kept: dict[tuple, tuple] = {}  # the other hits, by prefix: a cluster whose prefix's pass was run before
+        for i, (length, keys, values, hidden) in hits.items():
+            if i not in taken:
+                key = (length, tuple(groups[i].prompt_ids[:length]))
+                kept.setdefault(key, (length, [], (keys, values, hidden)))[1].append(i)
+        clusters += kept.values()
         if clusters:
             return self._prefill_shared(groups, clusters)
         lengths = [g.num_prompt_tokens for g in groups]
@@ -343,30 +385,53 @@ class FastRunner(ModelRunner):
             ids[row, :lengths[row]] = torch.tensor(g.prompt_ids, dtype=torch.long)
         ids = ids.to(self.device)
         positions = torch.arange(longest, device=self.device)[None].expand(len(groups), -1)
-        hidden = self._run(ids, positions, self._causal_attend(longest))
+        firsts = [0] * len(groups)
+        seeds = self._seeds(groups, plain, firsts, {})
+        causal = self._causal_attend(longest)
+
+        def attend(layer, q, k, v):
+            self._keep_seeds(seeds, layer, k, v, firsts, {})
+            return causal(layer, q, k, v)
+
+        edit = segment_editor([(row, 0, lengths[row], g.edits) for row, g in enumerate(groups)])
+        hidden = self._run(ids, positions, attend if seeds else causal, edit=edit)
         for row, g in enumerate(groups):
             if g.params.needs_prompt_logits:
                 n = lengths[row]
                 g.prompt_columns = self._prompt_columns(hidden[row, :n], ids[row, :n], g.params)
+        self._insert_seeds(groups, seeds, hidden, firsts, {})
 
     SHARED_PREFIX_MIN = 16  # prompt-only prompts sharing at least this many first tokens share their pass
 
-    def _prefill_shared(self, groups: list[SequenceGroup], clusters: list[tuple[int, list[int]]]) -> None:
-        """Each shared prefix runs once (its keys, values and final hidden states kept); then every prompt's
-        own tokens run in one right-padded pass whose rows attend to their prefix's keys and values and
-        to their own, at their true positions (a row without a shared prefix attends to its own only).
-        Each group's columns come from its prefix's hidden states and its own, as from one pass."""
+    def _prefill_shared(self, groups: list[SequenceGroup], clusters: list[tuple]) -> None:
+        """`clusters`: (length, members) for a prefix the members share within the batch, or (length,
+        members, (keys, values, hidden)) for one kept in the prefix cache. Each shared prefix runs once
+        (its keys, values and final hidden states kept); a kept one does not run at all. Then every
+        prompt's own tokens run in one right-padded pass whose rows attend to their prefix's keys and
+        values and to their own, at their true positions (a row without a prefix attends to its own
+        only). Each group's columns come from its prefix's hidden states and its own, as from one pass
+        (the prefix's rows through the head here, whether its blocks ran here or in an earlier batch)."""
         prefix_of = {}  # group index -> (prefix length, keys per layer, values per layer, hidden [P, D])
-        for length, members in clusters:
-            ids = torch.tensor([groups[members[0]].prompt_ids[:length]], dtype=torch.long).to(self.device)
-            keys, values = [None] * len(self.blocks), [None] * len(self.blocks)
-            causal = self._causal_attend(length)
+        ran = []  # the batch's shared prefixes, for the prefix cache: (ids, keys, values, hidden)
+        copies = {}  # group index -> tokens of its prefix an entry of its own blocks would hold twice
+        for length, members, *kept in clusters:
+            if kept:
+                keys, values, hidden = kept[0]
+                copies.update((m, length) for m in members
+                              if self.prefix_cache.branches(groups[m].prompt_ids, length))
+            else:
+                copies.update((m, length) for m in members)
+                prefix = groups[members[0]].prompt_ids[:length]
+                ids = torch.tensor([prefix], dtype=torch.long).to(self.device)
+                keys, values = [None] * len(self.blocks), [None] * len(self.blocks)
+                causal = self._causal_attend(length)
 
-            def attend(layer, q, k, v, keys=keys, values=values, causal=causal):
-                keys[layer], values[layer] = k[0], v[0]  # [KV, P, d]
-                return causal(layer, q, k, v)
+                def attend(layer, q, k, v, keys=keys, values=values, causal=causal):
+                    keys[layer], values[layer] = k[0], v[0]  # [KV, P, d]
+                    return causal(layer, q, k, v)
 
-            hidden = self._run(ids, torch.arange(length, device=self.device)[None], attend)[0]
+                hidden = self._run(ids, torch.arange(length, device=self.device)[None], attend)[0]
+                ran.append((prefix, keys, values, hidden))
             for m in members:
                 prefix_of[m] = (length, keys, values, hidden)
         firsts = [prefix_of[i][0] if i in prefix_of else 0 for i in range(len(groups))]
@@ -389,6 +454,7 @@ class FastRunner(ModelRunner):
             masks[window] = (seen & (positions[:, :, None] - key_pos[:, None, :] < window))[:, None]
         windows = self.windows
         kv_shape = (rows, self.kv_heads, longest_prefix, self.head_dim)
+        seeds = self._seeds(groups, [i for i, g in enumerate(groups) if not g.params.interventions], firsts, copies)
 
         def attend(layer, q, k, v):
             prefix_k = torch.zeros(kv_shape, dtype=k.dtype, device=k.device)
@@ -396,11 +462,14 @@ class FastRunner(ModelRunner):
             for row, (length, keys, values, _) in prefix_of.items():
                 prefix_k[row, :, :length] = keys[layer]
                 prefix_v[row, :, :length] = values[layer]
+            self._keep_seeds(seeds, layer, k, v, firsts, prefix_of)
             return F.scaled_dot_product_attention(q, torch.cat([prefix_k, k], dim=2), torch.cat([prefix_v, v], dim=2),
                                                   attn_mask=masks[windows[layer]], scale=self.scale,
                                                   enable_gqa=self.kv_heads != self.num_heads)
 
-        hidden = self._run(ids, positions, attend)
+        # rows with interventions have no prefix: their own tokens are the whole prompt, from position 0
+        edit = segment_editor([(row, 0, own[row], g.edits) for row, g in enumerate(groups)])
+        hidden = self._run(ids, positions, attend, edit=edit)
         done: list[tuple] = []  # (prefix hidden, params, columns with the prefix's rows filled)
         for row, g in enumerate(groups):
             if not g.params.needs_prompt_logits:
@@ -423,10 +492,68 @@ class FastRunner(ModelRunner):
                 copy_rows(filled, cols, 1, length)
             self.fill_prompt_columns(cols, torch.cat([prefix_hidden[length - 1:], mine]), full, length - 1)
             g.prompt_columns = cols
+        self._insert_seeds(groups, seeds, hidden, firsts, prefix_of)
+        for prefix, keys, values, prefix_hidden in ran:  # after the prompts' own blocks: a shared prefix
+            self.prefix_cache.insert(prefix, keys, values, prefix_hidden)  # one of them holds is not kept twice
+
+    def _seeds(self, groups: list[SequenceGroup], plain: list[int], firsts: list[int],
+               copies: dict[int, int]) -> list[tuple]:
+        """The rows of a pass whose own whole blocks go into the prefix cache: (row, m, keys, values), the
+        lists filled per layer during the pass by `_keep_seeds`. A row of `plain` (no interventions) is
+        one whose first m tokens (m: its length cut to whole blocks) add a block at least to its prefix
+        (`firsts[row]`: from the batch or the cache, 0 for none), and no fewer tokens than they would hold
+        a second time (`copies[row]`: its prefix, where the batch shares it or a kept entry goes on past
+        it), that no entry holds already and no earlier row of the batch seeds.
+
+        Entries do not share memory, so a branch off a kept prefix holds the prefix again: with every
+        answer seeding its own blocks, benchmarks/multiple_choice.py's answers in separate batches left
+        57 entries of 4.4 MB for 24 questions (252 MB) instead of 24, and a question's later answers seldom
+        reach a block past where they part. An entry that only extends a kept one replaces it."""
+        cache, seeds, seen = self.prefix_cache, [], set()
+        if not cache.enabled:
+            return seeds
+        for row in plain:
+            ids = groups[row].prompt_ids
+            m = len(ids) // BLOCK * BLOCK
+            if (m - firsts[row] >= max(BLOCK, copies.get(row, 0)) and tuple(ids[:m]) not in seen
+                    and not cache.covers(ids[:m])):
+                seen.add(tuple(ids[:m]))
+                seeds.append((row, m, [None] * len(self.blocks), [None] * len(self.blocks)))
+        return seeds
+
+    @staticmethod
+    def _keep_seeds(seeds: list[tuple], layer: int, k: torch.Tensor, v: torch.Tensor, firsts: list[int],
+                    prefix_of: dict) -> None:
+        """Copy each seed row's keys and values of `layer` (k, v: [rows, KV, T, d] of the pass, after the
+        row's prefix of firsts[row] positions) out of the batch: [KV, m, d], its prefix's in front."""
+        for row, m, keys, values in seeds:
+            first = firsts[row]
+            mine_k, mine_v = k[row, :, :m - first], v[row, :, :m - first]
+            if first:
+                _, prefix_k, prefix_v, _ = prefix_of[row]
+                keys[layer] = torch.cat([prefix_k[layer][:, :first], mine_k], dim=1)
+                values[layer] = torch.cat([prefix_v[layer][:, :first], mine_v], dim=1)
+            else:
+                keys[layer] = mine_k.clone(memory_format=torch.contiguous_format)
+                values[layer] = mine_v.clone(memory_format=torch.contiguous_format)
+
+    def _insert_seeds(self, groups: list[SequenceGroup], seeds: list[tuple], hidden: torch.Tensor,
+                      firsts: list[int], prefix_of: dict) -> None:
+        """Put the seed rows' keys, values and final-normed hidden states ([rows, T, D] of the pass, after
+        each row's prefix) into the prefix cache."""
+        for row, m, keys, values in seeds:
+            first = firsts[row]
+            mine = hidden[row, :m - first]
+            states = torch.cat([prefix_of[row][3][:first], mine]) if first else mine
+            self.prefix_cache.insert(groups[row].prompt_ids[:m], keys, values, states)
 
     @property
     def kv_cache_bytes(self) -> int:
         return self.cache.nbytes
+
+    @property
+    def prefix_cache_bytes(self) -> int:
+        return self.prefix_cache.nbytes
 
     def on_idle(self) -> None:
         self.cache.shrink()
@@ -476,7 +603,11 @@ class FastRunner(ModelRunner):
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=masks[windows[layer]], scale=self.scale,
                                                   enable_gqa=self.kv_heads != self.num_heads)
 
-        hidden = self._run(ids, positions, attend)[0]  # [sum of chunks, D]
+        segments, q0 = [], 0
+        for group, _, start, stop in parts:
+            segments.append((0, q0, q0 + stop - start, group.edits))
+            q0 += stop - start
+        hidden = self._run(ids, positions, attend, edit=segment_editor(segments))[0]  # [sum of chunks, D]
         out, q0 = [], 0
         finished = []
         for group, state, start, stop in parts:
@@ -497,8 +628,9 @@ class FastRunner(ModelRunner):
 
     def reset(self) -> None:
         """Forget every row and start from a new cache of the first size (after a failed step: the
-        engine has failed every group that held a row)."""
+        engine has failed every group that held a row); the prefix cache is emptied too."""
         self.graphs.clear()
+        self.prefix_cache.clear()  # nothing kept from a step that failed
         self.cache = SlabCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device,
                                max_len=self.cache.max_len, capacity=self.kv_positions)
 
@@ -533,7 +665,8 @@ class FastRunner(ModelRunner):
         rows = [r for slab in slabs for r in slab.rows]  # the batch: slab by slab, slot order within each
         inputs = to_device([(r.group.sequences[r.seq_index].token_ids[-1], r.length) for r in rows], torch.int64,
                            self.device)  # one copy, queued behind the work already launched
-        lsm = self._decode_static(slabs[0], inputs) if self.static_decode and len(slabs) == 1 else None
+        edited = any(g.edits is not None for g in groups)  # a request's interventions: the eager pass
+        lsm = self._decode_static(slabs[0], inputs) if self.static_decode and len(slabs) == 1 and not edited else None
         if lsm is None:
             lsm = self._decode_eager(slabs, rows, inputs)
         for r in rows:
@@ -602,7 +735,8 @@ class FastRunner(ModelRunner):
             out = outs[0] if len(outs) == 1 else torch.cat(outs)
             return out.reshape(count, kv_heads * group, 1, -1)
 
-        hidden = self._run(ids, lengths[:, None], attend, decode=True)[:, -1]  # [rows, D]
+        edit = segment_editor([(i, 0, 1, r.group.edits) for i, r in enumerate(rows)])
+        hidden = self._run(ids, lengths[:, None], attend, decode=True, edit=edit)[:, -1]  # [rows, D]
         return self.logprobs_of(hidden)
 
     STATIC_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)

@@ -35,6 +35,7 @@ class Sequence:
         self.text_end: int | None = None  # length of the generated text after the cut
         self.residual: dict[int, np.ndarray] | None = None  # layer -> [prompt + kept tokens, D]
         self.lens: dict | None = None  # layer -> PromptColumns of prompt + kept tokens (logit lens)
+        self.unmodified: PromptColumns | None = None  # prompt + kept tokens without the interventions
         self.rows: RowLog | None = None  # instrument rows, for a request that asked (instruments.py)
 
     @property
@@ -52,6 +53,7 @@ class Sequence:
                            self.finish_reason.value, len(self.token_ids), self.residual, self.lens)
         if params.needs_position_columns or params.records_processed:
             self.add_instruments(out, k, params)
+        out.unmodified = self.unmodified
         return out
 
     def add_instruments(self, out: ChoiceOutput, k: int, params: SamplingParams) -> None:
@@ -91,6 +93,7 @@ class SequenceGroup:
         self.sequences = [Sequence(j, params, table, text_start) for j in range(params.n)]
         self.prompt_columns: PromptColumns | None = None
         self.instruments = Instruments.of(params)  # None for a request that asks for none
+        self.edits = None  # its interventions, resolved before its first pass (interventions.py)
         self.cache = None  # the model's KV cache while the group runs
         self.active_rows: list[int] = []  # sequence index of each row of the KV cache batch
         self.is_aborted = False

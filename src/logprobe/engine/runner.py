@@ -8,6 +8,7 @@ the top-k) before anything moves to numpy.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import numpy as np
@@ -15,6 +16,7 @@ import torch
 from transformers import DynamicCache
 
 from .instruments import count_greater, fill_prompt_extras, new_prompt_extras
+from .interventions import Edits, segment_editor
 from .request import PromptColumns, SamplingParams, SequenceGroup
 
 POSITION_CHUNK = 256  # prompt positions whose logits are materialised at once, at most
@@ -73,6 +75,36 @@ class ModelRunner:
         self.softcap = getattr(self.config, "final_logit_softcapping", None)
         self.cache_kw = cache_keyword(self.decoder)
 
+    @contextlib.contextmanager
+    def edited(self, edit, positions: torch.Tensor):
+        """Hooks that apply `edit(layer, x, positions)` (interventions.py) to the residual stream entering
+        block 0 and leaving each block, while the block is inside; nothing is hooked when edit is None."""
+        if edit is None:
+            yield
+            return
+        handles = []
+
+        def pre_hook(module, args, kwargs):
+            if args:
+                return (edit(0, args[0], positions), *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": edit(0, kwargs["hidden_states"], positions)}
+
+        def hook(module, inputs, output, layer):
+            if isinstance(output, tuple):
+                return (edit(layer, output[0], positions), *output[1:])
+            return edit(layer, output, positions)
+
+        try:
+            # prepended: an activation hook on the same block sees the stream as the edit left it
+            handles.append(self.decoder.layers[0].register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True))
+            for index, block in enumerate(self.decoder.layers):
+                handles.append(block.register_forward_hook(lambda m, i, o, layer=index + 1: hook(m, i, o, layer),
+                                                           prepend=True))
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
     def logprobs_of(self, hidden: torch.Tensor) -> torch.Tensor:
         """Raw next-token log probabilities, float32, for hidden states [..., D]."""
         logits = self.lm_head(hidden).float()
@@ -86,7 +118,9 @@ class ModelRunner:
         the log probabilities of the first token to generate ([1, V])."""
         ids = torch.tensor([group.prompt_ids], dtype=torch.long, device=self.device)
         cache = DynamicCache(config=self.config)
-        hidden = self.decoder(input_ids=ids, use_cache=True, **{self.cache_kw: cache}).last_hidden_state[0]  # [P, D]
+        positions = torch.arange(ids.shape[1], device=self.device)[None]
+        with self.edited(segment_editor([(0, 0, ids.shape[1], group.edits)]), positions):
+            hidden = self.decoder(input_ids=ids, use_cache=True, **{self.cache_kw: cache}).last_hidden_state[0]  # [P, D]
         check_cache_length(cache, ids.shape[1])
         group.cache = cache
         if group.params.needs_prompt_logits:
@@ -107,7 +141,10 @@ class ModelRunner:
         for row, g in enumerate(groups):
             ids[row, :g.num_prompt_tokens] = torch.tensor(g.prompt_ids, dtype=torch.long)
             mask[row, :g.num_prompt_tokens] = 1
-        hidden = self.decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+        positions = torch.arange(longest, device=self.device)[None].expand(len(groups), -1)
+        edit = segment_editor([(row, 0, longest, g.edits) for row, g in enumerate(groups)])
+        with self.edited(edit, positions):
+            hidden = self.decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
         for row, g in enumerate(groups):
             if g.params.needs_prompt_logits:
                 n = g.num_prompt_tokens
@@ -158,16 +195,20 @@ class ModelRunner:
         """One decode step for the group's active rows; returns their log probabilities [B, V]."""
         ids = torch.tensor(last_tokens, dtype=torch.long, device=self.device)[:, None]
         held = group.cache.get_seq_length()
-        hidden = self.decoder(input_ids=ids, use_cache=True, **{self.cache_kw: group.cache}).last_hidden_state
+        positions = torch.full((ids.shape[0], 1), held, dtype=torch.long, device=self.device)
+        edit = segment_editor([(row, 0, 1, group.edits) for row in range(ids.shape[0])])
+        with self.edited(edit, positions):
+            hidden = self.decoder(input_ids=ids, use_cache=True, **{self.cache_kw: group.cache}).last_hidden_state
         check_cache_length(group.cache, held + 1)
         return self.logprobs_of(hidden[:, -1])
 
     @torch.inference_mode()
-    def residual_stream(self, ids: list[int], layers: list[int]) -> dict[int, np.ndarray]:
-        """Run `ids` once without a cache and return {layer: [len(ids), D] float32} from hooks on just
-        the asked layers (nothing is hooked for requests that do not ask). Layer 0 is the input to
-        block 0 (the embeddings, scaled where the model scales them); layer l >= 1 is block l's output,
-        the residual stream before the final norm. The pass stops after the deepest asked layer."""
+    def residual_stream(self, ids: list[int], layers: list[int], edits: Edits | None = None) -> dict[int, np.ndarray]:
+        """Run `ids` once without a cache (under a request's `edits` where it has them) and return
+        {layer: [len(ids), D] float32} from hooks on just the asked layers (nothing is hooked for
+        requests that do not ask). Layer 0 is the input to block 0 (the embeddings, scaled where the
+        model scales them); layer l >= 1 is block l's output, the residual stream before the final
+        norm. The pass stops after the deepest asked layer."""
         store: dict[int, torch.Tensor] = {}
         deepest = max(layers)
         handles = []
@@ -189,7 +230,9 @@ class ModelRunner:
                         keep(layer, output[0] if isinstance(output, tuple) else output)
 
                     handles.append(self.decoder.layers[layer - 1].register_forward_hook(hook))
-            self.decoder(input_ids=torch.tensor([ids], dtype=torch.long, device=self.device), use_cache=False)
+            positions = torch.arange(len(ids), device=self.device)[None]
+            with self.edited(segment_editor([(0, 0, len(ids), edits)]), positions):
+                self.decoder(input_ids=torch.tensor([ids], dtype=torch.long, device=self.device), use_cache=False)
         except _Captured:
             pass
         finally:
@@ -202,12 +245,12 @@ class ModelRunner:
         return self.decoder.norm(hidden)
 
     @torch.inference_mode()
-    def logit_lens(self, ids: list[int], layers: list[int], k: int) -> dict[int, PromptColumns]:
+    def logit_lens(self, ids: list[int], layers: list[int], k: int, edits: Edits | None = None) -> dict[int, PromptColumns]:
         """{layer: columns of `ids`} with each asked layer's residual stream read as if it were the last
         block's output: the final norm, the head, log_softmax in float32. Row i holds token i's log
         probability and rank under the state at position i - 1 and the k likeliest tokens there (row 0
         is empty), reduced chunk by chunk as prompt log probabilities are."""
-        states = self.residual_stream(ids, layers)
+        states = self.residual_stream(ids, layers, edits)
         dtype = self.head_dtype()
         target = torch.tensor(ids, dtype=torch.long, device=self.device)
         params = SamplingParams(prompt_logprobs=k)
@@ -236,6 +279,7 @@ class ModelRunner:
         return [self.prefill_chunk(group, budget) for group, budget in chunks]
 
     kv_cache_bytes = 0  # this runner keeps a cache per request, inside the request
+    prefix_cache_bytes = 0  # ... and no prefix cache (the lean path's, prefix_cache.py)
 
     def on_idle(self) -> None:
         """Called when the engine has nothing to do."""

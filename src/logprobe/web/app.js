@@ -1,7 +1,7 @@
 // logprobe playground: plain JavaScript over the public API (no build step, nothing fetched from
 // elsewhere). Score: tokens coloured by surprisal, alternatives, charts, and (with two models served)
 // their divergence at each token. Generate: a streamed continuation with alternatives and branching.
-// Compare: several texts side by side.
+// Compare: several texts side by side. Lens: layers x positions. Patch: one position patched layer by layer.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -376,9 +376,37 @@ async function runLens() {
   } catch (e) { setStatus("lens-status", e.message, true); }
 }
 
+// ---- Patch view -------------------------------------------------------------------------------
+async function runPatch() {
+  const text = $("patch-text").value, source = $("patch-source").value;
+  if (!text.trim() || !source.trim()) { setStatus("patch-status", "Write a text and a source.", true); return; }
+  setStatus("patch-status", "Patching…");
+  try {
+    const card = await api(`/v1/models/${encodeURIComponent(state.model)}`);
+    const step = Math.max(1, Number($("patch-step").value) || 1), layers = [];
+    for (let l = 0; l < card.num_layers; l += step) layers.push(l);
+    layers.push(card.num_layers);
+    const body = $("patch-table").querySelector("tbody"); body.replaceChildren();
+    for (const layer of layers) {         // one request a layer: each is its own forward pass
+      const out = await api("/v1/completions", { model: state.model, prompt: text, max_tokens: 1, temperature: 0,
+        logprobs: 1, return_unmodified: true,
+        interventions: [{ layer, op: "patch", positions: [-1], source: { prompt: source, position: -1 } }] });
+      const c = out.choices[0], un = c.unmodified;
+      const p = Math.exp(c.logprobs.token_logprobs[0]), q = Math.exp(un.logprobs[un.logprobs.length - 1]);
+      const bar = el("td", {}); const fill = bar.appendChild(el("div", { class: "patch-bar" }));
+      fill.style.width = `${Math.round(120 * p)}px`;
+      const tr = el("tr", { "data-layer": String(layer), "data-p": p.toFixed(6), "data-q": q.toFixed(6) });
+      tr.append(el("th", { scope: "row" }, String(layer)), el("td", { class: "mono" }, visible(JSON.stringify(c.text))),
+        el("td", {}, fmt(p)), el("td", {}, fmt(q)), bar);
+      body.appendChild(tr);
+    }
+    setStatus("patch-status", `Patched ${layers.length} layers.`);
+  } catch (e) { setStatus("patch-status", e.message, true); }
+}
+
 // ---- set-up -----------------------------------------------------------------------------------
 function showView(name) {
-  for (const v of ["score", "generate", "compare", "lens"]) {
+  for (const v of ["score", "generate", "compare", "lens", "patch"]) {
     $("view-" + v).hidden = v !== name;
     $("tab-" + v).setAttribute("aria-selected", String(v === name));
   }
@@ -404,8 +432,9 @@ async function loadModels() {
 $("api-key").value = sessionStorage.getItem("logprobe-key") || "";
 $("api-key").addEventListener("change", (e) => { sessionStorage.setItem("logprobe-key", e.target.value); loadModels(); });
 $("model").addEventListener("change", (e) => { state.model = e.target.value; });
-["score", "generate", "compare", "lens"].forEach((v) => $("tab-" + v).addEventListener("click", () => showView(v)));
+["score", "generate", "compare", "lens", "patch"].forEach((v) => $("tab-" + v).addEventListener("click", () => showView(v)));
 $("lens-run").addEventListener("click", runLens);
+$("patch-run").addEventListener("click", runPatch);
 $("score-run").addEventListener("click", runScore);
 $("gen-run").addEventListener("click", () => generate($("gen-prompt").value, []));
 $("gen-stop").addEventListener("click", () => { if (state.gen.controller) state.gen.controller.abort(); });
