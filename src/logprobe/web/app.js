@@ -340,15 +340,21 @@ async function runCompare() {
 }
 
 // ---- Lens view --------------------------------------------------------------------------------
+// The served model's card and every n-th of its layers (n from the input `stepId`), the last one always.
+async function everyNthLayer(stepId) {
+  const card = await api(`/v1/models/${encodeURIComponent(state.model)}`);
+  const step = Math.max(1, Number($(stepId).value) || 1), layers = [];
+  for (let l = 0; l < card.num_layers; l += step) layers.push(l);
+  layers.push(card.num_layers);
+  return { card, layers };
+}
+
 async function runLens() {
   const text = $("lens-text").value;
   if (!text.trim()) { setStatus("lens-status", "Write a text.", true); return; }
   setStatus("lens-status", "Reading the layers…");
   try {
-    const card = await api(`/v1/models/${encodeURIComponent(state.model)}`);
-    const step = Math.max(1, Number($("lens-step").value) || 1), layers = [];
-    for (let l = 0; l < card.num_layers; l += step) layers.push(l);
-    layers.push(card.num_layers);
+    const { card, layers } = await everyNthLayer("lens-step");
     const out = await api("/v1/completions", { model: state.model, prompt: text, max_tokens: 0,
       output_lens: { layers, top_k: 3 } });
     const lens = out.choices[0].logit_lens;
@@ -382,10 +388,7 @@ async function runPatch() {
   if (!text.trim() || !source.trim()) { setStatus("patch-status", "Write a text and a source.", true); return; }
   setStatus("patch-status", "Patching…");
   try {
-    const card = await api(`/v1/models/${encodeURIComponent(state.model)}`);
-    const step = Math.max(1, Number($("patch-step").value) || 1), layers = [];
-    for (let l = 0; l < card.num_layers; l += step) layers.push(l);
-    layers.push(card.num_layers);
+    const { layers } = await everyNthLayer("patch-step");
     const body = $("patch-table").querySelector("tbody"); body.replaceChildren();
     for (const layer of layers) {         // one request a layer: each is its own forward pass
       const out = await api("/v1/completions", { model: state.model, prompt: text, max_tokens: 1, temperature: 0,
