@@ -342,3 +342,34 @@ def test_a_context_shared_in_the_batch_and_an_intervened_prompt(tiny_model, toke
                 check_rows(g.prompt_columns.logprobs, g.prompt_ids, ref)
     finally:
         engine.stop()
+
+
+def test_a_patch_that_fails_fails_its_request_only(tiny_model, tokenizer, monkeypatch):
+    """A failure while resolving a request's interventions (its patch source's pass) fails that request
+    with the error envelope; a plain request beside it and every later request, intervened or not, are
+    answered as before."""
+    engine = Engine(tiny_model, tokenizer, "tiny", [], fast=True)
+    engine.start()
+    try:
+        with TestClient(create_app(engine, Limits()), raise_server_exceptions=False) as c:
+            plain = {"model": "tiny", "prompt": [1, 3, 5, 7], "max_tokens": 3, "temperature": 0, "logprobs": 1}
+            patch = {**plain, "interventions": [{"layer": 1, "op": "patch", "source": {"prompt": [1, 2]}}]}
+            before = c.post("/v1/completions", json=plain).json()["choices"][0]
+            good = c.post("/v1/completions", json=patch).json()["choices"][0]
+            real = engine.runner.residual_stream
+
+            def broken(ids, layers, edits=None):
+                if edits is None and list(ids) == [1, 2]:
+                    raise RuntimeError("source pass failed")
+                return real(ids, layers, edits)
+
+            monkeypatch.setattr(engine.runner, "residual_stream", broken)
+            failed = c.post("/v1/completions", json=patch)
+            assert failed.status_code == 500 and failed.json()["error"]["type"]
+            assert "source pass failed" not in failed.text  # no internals leak
+            monkeypatch.setattr(engine.runner, "residual_stream", real)
+            assert c.post("/v1/completions", json=plain).json()["choices"][0] == before
+            assert c.post("/v1/completions", json=patch).json()["choices"][0] == good
+            assert engine.stats()["failing"] is False
+    finally:
+        engine.stop()
