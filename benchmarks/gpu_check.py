@@ -10,7 +10,8 @@ a network. Prints a table and writes it as JSON (`--out`).
    key/value heads, MLP 14,336, vocabulary 128,256), loaded straight onto the device:
    - prefill tok/s (4 prompts of 2,048 tokens, one token generated each) against the FLOP ceiling,
    - decode tok/s at batch 1, 16 and 64 with logprobs 5 against the bandwidth ceiling (a step reads
-     every weight once: 16.1 GB), with CUDA graphs and without, the step's wall time beside the time
+     every weight once: 16.1 GB), with CUDA graphs and without, and at batch 64 with top-p (its tokens
+     picked after the replay instead of in the graph), the step's wall time beside the time
      the device's kernels run (the profiler) and the device-to-host synchronizations per decode step
      (CUDA's sync debug mode),
    - a 256-position whole-vocabulary request (`prompt_logprobs: -1`, `vocab_encoding: "float32"`)
@@ -278,18 +279,32 @@ def decode(device, holder, batches=(1, 16, 64), steps=48, prompt_len=128):
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     out = {"weight_GB": weight_bytes / 1e9}
     runner = engine.runner
-    modes = (True, False) if device.type == "cuda" else (False,)  # CUDA graphs of fixed-shape steps, and eager
-    for batch, graphs in [(b, g) for b in batches for g in modes]:
+    # CUDA graphs of fixed-shape steps, and eager; a CPU (a dry run) runs the fixed-shape step eagerly
+    modes = (True, False) if device.type == "cuda" else (True,)
+    # (batch, graphs, top_p): with top-p the tokens are picked after the replay, not in the graph
+    arms = [(b, g, 1.0) for b in batches for g in modes] + [(max(batches), modes[0], 0.95)]
+    picked = []
+    real_pick = runner.decode_and_pick
+
+    def counted_pick(groups, k):
+        lsms, host = real_pick(groups, k)
+        picked.append(host is not None)
+        return lsms, host
+
+    runner.decode_and_pick = counted_pick
+    for batch, graphs, top_p in arms:
         runner.static_decode = graphs
         runner.graphs.clear()
         groups = [SequenceGroup(f"d{i}", random_prompt(prompt_len, 1000 + i, vocab),
-                                SamplingParams(max_tokens=4096, temperature=1.0, seed=i, logprobs=5), engine.table)
+                                SamplingParams(max_tokens=4096, temperature=1.0, top_p=top_p, seed=i, logprobs=5),
+                                engine.table)
                   for i in range(batch)]
         plan = step_until_decoding(engine, groups)
         for _ in range(3):  # warm-up steps
             engine.step(plan)
         sync(device)
         walls, busy = [], []
+        picked.clear()
         for _ in range(steps):
             if device.type == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -305,8 +320,9 @@ def decode(device, holder, batches=(1, 16, 64), steps=48, prompt_len=128):
         kernels = kernel_time(engine, plan, device)
         finish(engine, groups)
         step = float(np.median(walls))
-        row = {"batch": batch, "graphs": runner.static_decode, "step_ms": step * 1e3, "tok_per_s": batch / step,
-               "syncs_per_step": int(np.median(syncs))}
+        row = {"batch": batch, "graphs": runner.static_decode, "top_p": top_p, "step_ms": step * 1e3,
+               "tok_per_s": batch / step, "syncs_per_step": int(np.median(syncs)),
+               "picked_in_step": f"{sum(picked[:steps])} of {len(picked[:steps])}"}
         if busy:
             row["device_ms"] = float(np.median(busy)) * 1e3
         if kernels is not None:
@@ -314,8 +330,9 @@ def decode(device, holder, batches=(1, 16, 64), steps=48, prompt_len=128):
         kv_bytes = engine.runner.kv_cache_bytes
         read = weight_bytes + kv_bytes  # an upper bound of the cache's share: all of it allocated
         row["GBps_weights_only"] = weight_bytes / step / 1e9
-        out[f"batch {batch}" + ("" if runner.static_decode else " eager")] = row
-        say(f"   batch {batch:3d} {'graphs' if runner.static_decode else 'eager '}: {row['tok_per_s']:8.1f} tok/s, step {row['step_ms']:.2f} ms"
+        name = f"batch {batch}" + ("" if runner.static_decode else " eager") + ("" if top_p == 1.0 else f" top_p {top_p}")
+        out[name] = row
+        say(f"   {name:24s}: {row['tok_per_s']:8.1f} tok/s, step {row['step_ms']:.2f} ms, picked in the step {row['picked_in_step']}"
             + (f" (device clock {row['device_ms']:.2f} ms)" if busy else "")
             + (f", kernels busy {row['kernel_ms']:.2f} ms" if kernels else "")
             + f", {row['GBps_weights_only']:.0f} GB/s of weights, {row['syncs_per_step']} syncs/step,"
@@ -323,6 +340,7 @@ def decode(device, holder, batches=(1, 16, 64), steps=48, prompt_len=128):
         for name, ms, count in row.get("top_kernels", []):
             say(f"      {ms:7.3f} ms  x{count:<4d} {name}")
     runner.static_decode = device.type == "cuda"
+    runner.decode_and_pick = real_pick
     return out
 
 

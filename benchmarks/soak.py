@@ -8,7 +8,10 @@ Without --url it starts `logprobe serve` on a free loopback port (extra argument
 1. The catalog: a seeded list of requests of every kind: greedy generations from 1 token to three times
    the KV cache's first length and one that ends at the context, sampled ones with a seed and n up to 4,
    streamed twins of non-streamed requests, echo, prompt_logprobs k and -1 (dense), /v1/score, chat with
-   logprobs (n up to 4, streamed too), activations, and clients that leave mid-request or mid-stream.
+   logprobs (n up to 4, streamed too), activations, and clients that leave mid-request or mid-stream;
+   sampling with top-k and top-p, instruments, the logit lens, interventions (with return_unmodified,
+   sampled, streamed), and prompt-only requests sharing a long context, alone (the prefix cache) and
+   in one request.
 2. The reference: every request of the catalog run alone, one after another, on the server as it
    started (before any load).
 3. The soak: bursts of 1-8 concurrent requests drawn from the catalog (each request once, in a random
@@ -114,6 +117,35 @@ def build_catalog(rng: random.Random, first_len: int, context: int, long_prompt:
     leaver = {"prompt": text(), "max_tokens": 3 * first_len, "temperature": 1.0, "seed": 9, "n": 2}
     add("leave_stream", "/v1/completions", {**leaver, "stream": True}, stream=True, leave="stream")
     add("leave_read", "/v1/completions", leaver, leave="read")
+    # filters (their batches pick after the pass), instruments, the logit lens, interventions (eager
+    # decode steps beside plain ones), and prompt-only requests sharing a context (in one batch, and
+    # across batches through the prefix cache)
+    filtered = {"prompt": text(), "max_tokens": rng.randint(4, 24), "temperature": 0.9, "top_k": 20, "top_p": 0.9,
+                "seed": 300, "n": 2, "logprobs": 2}
+    add("sampled_filters", "/v1/completions", filtered)
+    add("sampled_filters_stream", "/v1/completions", {**filtered, "stream": True}, stream=True)
+    add("instruments", "/v1/completions", {"prompt": text(), "max_tokens": rng.randint(2, 12), "temperature": 0.7,
+                                           "seed": 11, "logprobs": 2, "logprob_token_ids": [330, 389, 1],
+                                           "position_stats": True, "top_logprobs_p": 0.5, "logprobs_mode": "both"})
+    add("logit_lens", "/v1/completions", {"prompt": text(), "max_tokens": 4, "temperature": 0,
+                                          "output_lens": {"layers": [4, -1], "top_k": 2}}, greedy=True)
+    steer = [{"layer": 8, "op": "scale", "factor": 1.5, "positions": [-1]},
+             {"layer": 16, "op": "patch", "source": {"prompt": text(), "position": -1}, "positions": [-1, -2]},
+             {"layer": 20, "op": "zero", "positions": [0]}]
+    steered = {"prompt": text(), "max_tokens": rng.randint(3, first_len), "temperature": 0, "logprobs": 2,
+               "interventions": steer}
+    add("interventions", "/v1/completions", {**steered, "return_unmodified": True, "prompt_logprobs": 1},
+        greedy=True)
+    add("interventions_sampled", "/v1/completions", {**steered, "temperature": 1.0, "seed": 21, "n": 2})
+    add("interventions_sampled_stream", "/v1/completions",
+        {**steered, "temperature": 1.0, "seed": 21, "n": 2, "stream": True}, stream=True)
+    context_text = " ".join(TEXTS[:3])
+    for answer in rng.sample(TEXTS, 3):  # each alone: the context's blocks come from the prefix cache
+        add("shared_context", "/v1/completions", {"prompt": f"{context_text} {answer}", "max_tokens": 0,
+                                                  "echo": True, "logprobs": 2})
+    add("shared_context_batch", "/v1/completions",
+        {"prompt": [f"{context_text} {answer}" for answer in TEXTS[:4]], "max_tokens": 0, "echo": True,
+         "logprobs": 1})
     return out
 
 
@@ -149,6 +181,9 @@ def stable(spec: Spec, payload: dict):
             entry["prompt_logprobs"] = pl
         if "residual_stream" in c:
             entry["residual_stream"] = _residual(c["residual_stream"])
+        for block in ("logit_lens", "unmodified", "logprob_token_ids", "position_stats", "processed_logprobs"):
+            if block in c:
+                entry[block] = c[block]
         out.append(entry)
     return out
 

@@ -106,7 +106,7 @@ def test_stream_options_without_stream(fake_client):
 
 
 def test_error_after_stream_began_is_an_event(client, tiny_engine, monkeypatch):
-    inject_failure(monkeypatch, tiny_engine.runner, "decode_groups", 3, RuntimeError("boom inside"))
+    inject_failure(monkeypatch, tiny_engine.runner, "decode_and_pick", 3, RuntimeError("boom inside"))
     chunks = events(client, "/v1/completions", {"model": "tiny", "prompt": "x y", "max_tokens": 10, "stream": True})
     assert "error" in chunks[-1]
     err = chunks[-1]["error"]

@@ -36,10 +36,14 @@ KINDS = [dict(temperature=0.0, logprobs=5), dict(temperature=1.0, seed=1), dict(
          dict(temperature=1.3, top_k=20, logprobs=2, seed=3), dict(temperature=0.0)]
 
 
-def decode_step_transfers(engine: Engine, batch: int) -> list[str]:
+# what the fixed-shape step picks in its recorded pass: no top-k, no top-p
+UNFILTERED = [dict(temperature=0.0, logprobs=5), dict(temperature=1.0, seed=1, n=2), dict(temperature=0.7, logprobs=2)]
+
+
+def decode_step_transfers(engine: Engine, batch: int, kinds=KINDS) -> list[str]:
     groups = []
     while sum(g.params.n for g in groups) < batch:
-        kind = dict(KINDS[len(groups) % len(KINDS)])
+        kind = dict(kinds[len(groups) % len(kinds)])
         kind["n"] = min(kind.get("n", 1), batch - sum(g.params.n for g in groups))
         ids = engine.tokenizer(f"request {len(groups)} of a batch").input_ids
         groups.append(SequenceGroup(f"r{len(groups)}", ids, SamplingParams(max_tokens=50, **kind), engine.table))
@@ -61,12 +65,25 @@ def decode_step_transfers(engine: Engine, batch: int) -> list[str]:
     return counter.calls
 
 
-@pytest.mark.parametrize("fast", [True, False], ids=["lean", "transformers"])
-def test_a_decode_step_moves_the_same_arrays_whatever_the_batch(fast, tiny_model, tokenizer):
+@pytest.mark.parametrize("fast,static", [(True, False), (True, True), (False, False)],
+                         ids=["lean", "lean-fixed-shape", "transformers"])
+def test_a_decode_step_moves_the_same_arrays_whatever_the_batch(fast, static, tiny_model, tokenizer):
+    """`lean-fixed-shape`: the step a GPU records as a CUDA graph, which picks the tokens in the
+    recorded pass for the batches without top-k or top-p (all but the batch of one here)."""
     engine = Engine(tiny_model, tokenizer, "tiny", [], fast=fast)
+    if static:
+        engine.runner.static_decode = True
     counts = {batch: decode_step_transfers(engine, batch) for batch in (1, 4, 16)}
     assert counts[1] == counts[4] == counts[16], counts
     assert counts[1] == ["cpu", "numpy"]  # one transfer: a device array brought to the host, then read
+    if static:  # and where the recorded pass picks the tokens, at every batch size
+        picked = []
+        original = engine.runner.decode_and_pick
+        engine.runner.decode_and_pick = lambda groups, k: (lambda out: picked.append(out[1] is not None) or out)(
+            original(groups, k))
+        counts = {batch: decode_step_transfers(engine, batch, UNFILTERED) for batch in (1, 4, 16)}
+        assert counts[1] == counts[4] == counts[16] == ["cpu", "numpy"], counts
+        assert picked and all(picked)
 
 
 def test_the_count_sees_a_transfer_per_row(tiny_model, tokenizer, monkeypatch):

@@ -173,7 +173,7 @@ def fresh(long_model, tokenizer):
 def test_a_failed_step_fails_its_requests_resets_and_recovers(fresh, monkeypatch):
     engine, client = fresh
     want = greedy(client, [5, 6, 7], 6)
-    inject_failure(monkeypatch, engine.runner, "decode_groups", 2, RuntimeError("injected fault in a shared pass"))
+    inject_failure(monkeypatch, engine.runner, "decode_and_pick", 2, RuntimeError("injected fault in a shared pass"))
     r = client.post("/v1/completions", json={"model": "long", "prompt": [5, 6, 7], "max_tokens": 6,
                                              "temperature": 0})
     assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"

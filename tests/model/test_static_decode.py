@@ -46,7 +46,7 @@ def test_the_fixed_shape_step_answers_as_the_eager_one(kind, tokenizer, referenc
     static.runner.static_decode = True
     passes = []
     original = static.runner._static_pass
-    static.runner._static_pass = lambda k, v, ids, lengths: passes.append(ids.shape[0]) or original(k, v, ids, lengths)
+    static.runner._static_pass = lambda k, v, ids, *rest: passes.append(ids.shape[0]) or original(k, v, ids, *rest)
     made = []
 
     class Counted(fast_runner.StaticStep):
@@ -89,6 +89,62 @@ def test_the_fixed_shape_step_answers_as_the_eager_one(kind, tokenizer, referenc
     static.runner.on_idle()
     assert not static.runner.graphs
     assert static.runner.cache.is_consistent()
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_the_fixed_shape_step_picks_the_tokens_the_engine_would(kind, tokenizer, reference_of):
+    """Where no row filters with top-k or top-p, the fixed-shape step (a GPU's graph) also draws each
+    row's token and gathers its log probability and the top-k, from settings moved with its inputs:
+    the same tokens, log probabilities and top-k as the engine's own pick after the eager pass, greedy
+    and seeded rows mixed, batches padded, then an all-greedy batch (its own kind of step)."""
+    model = build(kind, len(tokenizer))
+    eager = Engine(model, tokenizer, "eager", [], kv_cache_positions=8)
+    static = Engine(model, tokenizer, "static", [], kv_cache_positions=8)
+    static.runner.static_decode = True
+    kinds = [dict(temperature=0.0, logprobs=3), dict(temperature=1.0, n=2, seed=4, logprobs=2),
+             dict(temperature=0.7, seed=9), dict(temperature=0.0), dict(temperature=1.3, seed=5, logprobs=5)]
+    prompts = ["a b", "The quick brown fox jumps", "One two three four five six"]
+    picked, pickings = [], []
+    original_pick, original_pass = static.runner.decode_and_pick, static.runner._static_pass
+    static.runner.decode_and_pick = lambda groups, k: (lambda out: picked.append(out[1] is not None) or out)(
+        original_pick(groups, k))
+    static.runner._static_pass = lambda *args: pickings.append(args[-1]) or original_pass(*args)
+
+    def groups_for(engine, settings):
+        return [SequenceGroup(f"g{i}", engine.tokenizer(prompts[i % 3]).input_ids,
+                              SamplingParams(max_tokens=5 + 4 * (i % 3), **kind), engine.table)
+                for i, kind in enumerate(settings)]
+
+    reference = reference_of(model)
+    drawn = 0  # generated tokens of seeded rows that are not the likeliest (the draw is exercised)
+    for engine in (eager, static):
+        engine.start()
+    try:
+        for settings in (kinds * 2, [dict(temperature=0.0, logprobs=4)] * 3):
+            a, b = run(eager, groups_for(eager, settings)), run(static, groups_for(static, settings))
+            for ga, gb in zip(a, b):
+                for sa, sb in zip(ga.sequences, gb.sequences):
+                    assert sa.token_ids == sb.token_ids, (kind, ga.request_id)
+                    assert np.allclose(sa.logprobs, sb.logprobs, atol=TOL)
+                    assert [t.tolist() for t in sa.top_ids] == [t.tolist() for t in sb.top_ids]
+                    for ta, tb in zip(sa.top_logprobs, sb.top_logprobs):
+                        assert np.allclose(ta, tb, atol=TOL)
+                    ids = list(gb.prompt_ids) + sb.token_ids
+                    ref = reference.logprobs(ids).numpy()
+                    start = len(gb.prompt_ids) - 1
+                    positions = np.arange(start, start + len(sb.token_ids))
+                    want = ref[positions, sb.token_ids]
+                    assert np.abs(np.asarray(sb.logprobs) - want).max() < TOL
+                    if gb.params.temperature > 0:
+                        drawn += int((ref[positions].argmax(-1) != np.asarray(sb.token_ids)).sum())
+    finally:
+        for engine in (eager, static):
+            engine.stop()
+    assert drawn > 5
+    # most decode steps were picked by the fixed-shape step (the others span two size classes: eager);
+    # both kinds of step ran: with rows drawn and k = 5, and all greedy with k = 4
+    assert sum(picked) > len(picked) // 2
+    assert (5, True) in pickings and (4, False) in pickings
 
 
 def test_a_kept_step_is_dropped_when_its_slab_changes(tokenizer, reference_of):

@@ -116,3 +116,27 @@ def test_a_tiny_change_of_the_probabilities_keeps_the_token():
     a = sample_batch(rows, batch(params, rows, seeds))
     b = sample_batch(moved, batch(params, moved, seeds))
     assert int((a != b).sum()) <= 1
+
+
+def test_a_rows_random_numbers_are_splitmix64_from_its_seed():
+    """The sampler's numbers in tensor operations are SplitMix64's outputs: the reference generator's
+    published first outputs for seed 1234567, and a pure-Python SplitMix64 (streams._mix) for seeds
+    over the whole 64-bit range (those of 2**63 and above are held as negative int64)."""
+    from logprobe.engine.sampler import _signed, noise, splitmix64
+    from logprobe.engine.streams import _GAMMA, _MASK, _mix
+
+    first = splitmix64(torch.tensor([1234567]), 3)[0].numpy().view(np.uint64).tolist()
+    assert first == [6457827717110365317, 3203168211198807973, 9817491932198370423]
+    seeds = [0, 1, 2**63 - 1, 2**63, 2**64 - 1] + [Stream(7, i).seed(i) for i in range(5)]
+    got = splitmix64(torch.tensor([_signed(s) for s in seeds]), 700).numpy().view(np.uint64)
+    for row, seed in enumerate(seeds):
+        assert got[row].tolist() == [_mix((seed + (i + 1) * _GAMMA) & _MASK) for i in range(700)]
+    # the exponential numbers: v from the top 32 bits, -log(1 - v); v is rounded to float32, which moves
+    # the large numbers (v near 1) by up to ~1e-5 of themselves and keeps the small ones exact
+    e = noise(torch.tensor([_signed(s) for s in seeds]), 700).double().numpy()
+    v = (got >> np.uint64(32)).astype(np.float64) * 2.0 ** -32 + 2.0 ** -33
+    assert np.allclose(e, -np.log1p(-v), rtol=2e-5, atol=0)
+    assert np.allclose(e[v < 0.5], -np.log1p(-v[v < 0.5]), rtol=3e-7, atol=0)
+    many = noise(torch.tensor([_signed(Stream(3, 0).seed(i)) for i in range(64)]), 4096).double()
+    assert abs(float(many.mean()) - 1.0) < 0.01 and abs(float(many.var()) - 1.0) < 0.03  # Exp(1)
+    assert float(many.min()) > 0 and torch.isfinite(many).all()

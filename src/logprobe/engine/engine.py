@@ -25,7 +25,7 @@ from .request import Sequence, SequenceGroup
 from .streaming import attach_releasers
 from . import fast_runner
 from .runner import ModelRunner
-from .sampler import BatchSettings, sample_batch
+from .sampler import BatchSettings, pick as pick_rows
 from .scheduler import Scheduler
 from ..tokens import TokenTable
 
@@ -408,8 +408,15 @@ class Engine:
         # Decode first: the batch is then exactly the running groups' rows (a group whose prompt
         # finishes in this step joins the batch in the next one).
         if plan.decode:
-            lsms = self.runner.decode_groups(plan.decode)
-            picks = self._pick(plan.decode, lsms)
+            picked, k = None, max(g.params.logprobs or 0 for g in plan.decode)
+            if all(g.instruments is None for g in plan.decode):  # the runner may pick in its recorded pass
+                lsms, picked = self.runner.decode_and_pick(plan.decode, k)
+            else:
+                lsms = self.runner.decode_groups(plan.decode)
+            if picked is None:
+                picks = self._pick(plan.decode, lsms)
+            else:
+                picks = self._split(plan.decode, [i for i, g in enumerate(plan.decode) if g.active_rows], picked, k)
             for group, lsm, pick in zip(plan.decode, lsms, picks):
                 self._each(group, self._decoded, lsm, pick)
         if plan.prefill:
@@ -534,15 +541,17 @@ class Engine:
         lsm = lsms[plain[0]] if len(plain) == 1 else torch.cat([lsms[i] for i in plain])
         seqs = [groups[i].sequences[j] for i in plain for j in groups[i].active_rows]
         params = [groups[i].params for i in plain for _ in groups[i].active_rows]
-        seeds = None if all(p.is_greedy for p in params) else [s.stream.seed(len(s.token_ids)) for s in seqs]
-        tokens = sample_batch(lsm, BatchSettings.of(params, lsm.shape[-1], lsm.device, seeds))
-        parts = [tokens[:, None].double(), lsm.gather(1, tokens[:, None]).double()]
+        seeds = None if all(p.is_greedy for p in params) else [s.next_seed() for s in seqs]
         k = max(groups[i].params.logprobs or 0 for i in plain)
-        if k:
-            values, ids = torch.topk(lsm, k, dim=-1)
-            parts += [ids.double(), values.double()]
-        host = torch.cat(parts, dim=1).cpu().numpy()  # the step's one transfer (ids and float32 values are exact in float64)
-        start = 0
+        settings = BatchSettings.of(params, lsm.shape[-1], lsm.device, seeds)
+        host = pick_rows(lsm, settings, k).cpu().numpy()  # the step's one transfer
+        return self._split(groups, plain, host, k)
+
+    @staticmethod
+    def _split(groups: list[SequenceGroup], plain: list[int], host: np.ndarray, k: int) -> list:
+        """`sampler.pick`'s array for the active rows of `groups[i]` for i in `plain`, in that order, as
+        `_pick`'s per-group tuples (None for the other groups)."""
+        picks, start = [None] * len(groups), 0
         for i in plain:
             rows = host[start:start + len(groups[i].active_rows)]
             start += len(rows)

@@ -35,8 +35,8 @@ from .int4 import Int4Linear
 from .interventions import Edits, segment_editor
 from .kv_cache import Row, SlabCache
 from .prefix_cache import BLOCK, PrefixCache
-from .request import PromptColumns, SequenceGroup
-from .sampler import to_device
+from .request import PromptColumns, SamplingParams, SequenceGroup
+from .sampler import SETTINGS_COLUMNS, BatchSettings, pick, to_device
 from .runner import ModelRunner, _Captured
 
 log = logging.getLogger("logprobe.engine")
@@ -657,28 +657,55 @@ class FastRunner(ModelRunner):
         """One decode step of every row, in one forward pass: the rows in the cache's order (size class by
         size class, slot order within each); attention once per class over its own view. Per group, its
         rows' log probabilities [rows, V] in the order of `group.rows`."""
+        return self._decode(groups, None)[0]
+
+    @torch.inference_mode()
+    def decode_and_pick(self, groups: list[SequenceGroup], k: int) -> tuple[list[torch.Tensor], np.ndarray | None]:
+        """`decode_groups`; where the step runs in fixed shapes (a CUDA graph on a GPU) and no row filters
+        with top-k or top-p, the rows' tokens, their log probabilities and the k likeliest are picked in
+        the same recorded pass (sampler.pick), their settings moved with the step's inputs in one copy:
+        that array on the host, rows in the groups' order."""
+        return self._decode(groups, k)
+
+    def _decode(self, groups: list[SequenceGroup], k: int | None) -> tuple[list[torch.Tensor], np.ndarray | None]:
         cache = self.cache
         if cache.num_rows != sum(len(g.rows) for g in groups):
             raise RuntimeError("the KV cache is out of step with the running groups")
         cache.make_room()  # a row whose size class is full moves into the next one
         slabs = [slab for slab in cache.slabs.values() if slab.rows]
         rows = [r for slab in slabs for r in slab.rows]  # the batch: slab by slab, slot order within each
-        inputs = to_device([(r.group.sequences[r.seq_index].token_ids[-1], r.length) for r in rows], torch.int64,
-                           self.device)  # one copy, queued behind the work already launched
+        table = np.array([(r.group.sequences[r.seq_index].token_ids[-1], r.length) for r in rows], dtype=np.int64)
         edited = any(g.edits is not None for g in groups)  # a request's interventions: the eager pass
-        lsm = self._decode_static(slabs[0], inputs) if self.static_decode and len(slabs) == 1 and not edited else None
+        static = self.static_decode and len(slabs) == 1 and not edited
+        picking = None  # (k, whether any row is drawn) when the step picks the tokens itself
+        if static and k is not None:
+            params = [r.group.params for r in rows]
+            if not any(not p.is_greedy and (0 < p.top_k < self.vocab_size or p.top_p < 1.0) for p in params):
+                sampled = not all(p.is_greedy for p in params)
+                seeds = [r.group.sequences[r.seq_index].next_seed() for r in rows] if sampled else None
+                table = np.concatenate([table, BatchSettings.table(params, self.vocab_size, seeds)], axis=1)
+                picking = (k, sampled)
+        inputs = to_device(table, torch.int64, self.device)  # one copy, queued behind the work already launched
+        lsm = picked = None
+        if static:
+            lsm, picked = self._decode_static(slabs[0], inputs, picking)
         if lsm is None:
-            lsm = self._decode_eager(slabs, rows, inputs)
+            lsm = self._decode_eager(slabs, rows, inputs[:, :2])
         for r in rows:
             r.length += 1
-        return self._by_group(groups, lsm, {slab.capacity: start for slab, start in
-                                            zip(slabs, np.cumsum([0] + [len(s.rows) for s in slabs]))})
-
-    def _by_group(self, groups: list[SequenceGroup], lsm: torch.Tensor, offsets: dict) -> list[torch.Tensor]:
-        """Each group's rows of the batch's log probabilities, in the order of its rows: slices where a
-        group's rows are consecutive in the batch (the usual case), else one gather for all groups with
-        an index moved in one copy (a list index would copy to the device once per group)."""
+        offsets = {slab.capacity: start for slab, start in zip(slabs, np.cumsum([0] + [len(s.rows) for s in slabs]))}
         orders = [[int(offsets[row.slab]) + row.slot for row in group.rows] for group in groups]
+        host = None
+        if picked is not None:
+            host = picked.cpu().numpy()  # the step's one transfer
+            host = host[[i for order in orders for i in order]]
+        return self._by_group(orders, lsm), host
+
+    def _by_group(self, orders: list[list[int]], lsm: torch.Tensor) -> list[torch.Tensor]:
+        """Each group's rows of the batch's log probabilities (`orders`: per group, its rows' places in
+        the batch, in the order of its rows): slices where a group's rows are consecutive in the batch
+        (the usual case), else one gather for all groups with an index moved in one copy (a list index
+        would copy to the device once per group)."""
         if all(order == list(range(order[0], order[0] + len(order))) for order in orders if order):
             return [lsm[order[0]:order[0] + len(order)] if order else lsm[:0] for order in orders]
         gathered = lsm.index_select(0, to_device([i for order in orders for i in order], torch.int64, self.device))
@@ -742,34 +769,40 @@ class FastRunner(ModelRunner):
     STATIC_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
     MAX_GRAPHS = 8  # captured decode steps kept (each holds its own working memory on the device)
 
-    def _decode_static(self, slab, inputs: torch.Tensor) -> torch.Tensor | None:
+    def _decode_static(self, slab, inputs: torch.Tensor, picking: tuple[int, bool] | None
+                       ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The decode pass in fixed shapes for a batch held in one slab: the batch padded to the next
         size in STATIC_BATCHES (padding rows write into the slab's unused slots, at position 0), and
         attention over the slab's whole capacity with a length mask (and each sliding window's band), so
-        one CUDA graph per (padded batch, slab) replays every step until the slab changes. On a CPU the
-        same pass runs eagerly, over the tensors its step was made on, as a replayed graph does (so the
-        tests see a step kept past a change of its slab). None where the slab has too few slots for the
-        padding."""
+        one CUDA graph per (padded batch, slab, picking) replays every step until the slab changes. With
+        `picking` = (k, whether any row is drawn), `inputs` carries the rows' sampling settings after
+        their token and position, and the pass ends with `sampler.pick`. On a CPU the same pass runs
+        eagerly, over the tensors its step was made on, as a replayed graph does (so the tests see a step
+        kept past a change of its slab). (log probabilities [rows, V], the pick [rows, 2 + 2k] or None);
+        (None, None) where the slab has too few slots for the padding."""
         count = inputs.shape[0]
         batch = next((b for b in self.STATIC_BATCHES if b >= count), None)
         if batch is None or batch > slab.num_slots:
-            return None
+            return None, None
         for key in [k for k, step in self.graphs.items() if not step.holds(self.cache)]:
             del self.graphs[key]  # its slab was replaced or dropped: its tensors go with it
-        key = (batch, id(slab))
+        key = (batch, id(slab), picking)
         step = self.graphs.get(key)
         if step is None:
-            step = StaticStep(self, slab, batch)
+            step = StaticStep(self, slab, batch, picking)
             while len(self.graphs) >= self.MAX_GRAPHS:
                 del self.graphs[next(iter(self.graphs))]
             self.graphs[key] = step
         step.load(inputs)
-        return step.run()[:count]
+        lsm, picked = step.run()
+        return lsm[:count], None if picked is None else picked[:count]
 
     def _static_pass(self, keys: list[torch.Tensor], values: list[torch.Tensor], ids: torch.Tensor,
-                     lengths: torch.Tensor) -> torch.Tensor:
+                     lengths: torch.Tensor, settings: torch.Tensor | None = None,
+                     picking: tuple[int, bool] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The fixed-shape decode pass itself (what a CUDA graph records) over a slab's per-layer keys and
-        values ([S, KV, capacity, D]): [batch, V] log probabilities."""
+        values ([S, KV, capacity, D]): [batch, V] log probabilities, and with `picking` = (k, sampled)
+        the rows' pick from their `settings` (sampler.BatchSettings.table's columns) or None."""
         batch, capacity = ids.shape[0], keys[0].shape[2]
         slots = torch.arange(batch, device=self.device)
         columns = torch.arange(capacity, device=self.device)[None, :]
@@ -788,7 +821,12 @@ class FastRunner(ModelRunner):
                                                  scale=self.scale)
             return out.reshape(batch, kv_heads * group, 1, -1)
 
-        return self.logprobs_of(self._run(ids, lengths[:, None], attend, decode=True)[:, -1])
+        lsm = self.logprobs_of(self._run(ids, lengths[:, None], attend, decode=True)[:, -1])
+        if picking is None:
+            return lsm, None
+        k, sampled = picking
+        chosen = BatchSettings.on_device(settings, 0, False) if sampled else BatchSettings.all_greedy_rows()
+        return lsm, pick(lsm, chosen, k)
 
     @torch.inference_mode()
     def select(self, group: SequenceGroup, keep: list[int]) -> None:
@@ -855,11 +893,17 @@ class StaticStep:
     keeps the slab's tensors it was recorded on (so their memory cannot be reused under it), and is
     dropped as soon as the slab holds other tensors."""
 
-    def __init__(self, runner: FastRunner, slab, batch: int):
-        self.runner, self.slab, self.batch = runner, slab, batch
+    def __init__(self, runner: FastRunner, slab, batch: int, picking: tuple[int, bool] | None = None):
+        self.runner, self.slab, self.batch, self.picking = runner, slab, batch, picking
         self.tensors = (list(slab.keys), list(slab.values))
-        self.ids = torch.zeros(batch, 1, dtype=torch.int64, device=runner.device)
-        self.lengths = torch.zeros(batch, dtype=torch.int64, device=runner.device)
+        # the step's inputs: token, position, then (when it picks) BatchSettings.table's columns; padding
+        # rows take token 0 at position 0 and are greedy (temperature 1: nothing divides by 0)
+        width = 2 if picking is None else 2 + SETTINGS_COLUMNS
+        self.padding = torch.zeros(width, dtype=torch.int64)
+        if picking is not None:
+            self.padding[2:] = torch.from_numpy(BatchSettings.table([SamplingParams(temperature=0.0)], 1, None)[0])
+        self.padding = self.padding.to(runner.device)
+        self.inputs = self.padding.repeat(batch, 1)
         self.graph = None
         self.out = None
 
@@ -870,27 +914,29 @@ class StaticStep:
 
     def load(self, inputs: torch.Tensor) -> None:
         count = inputs.shape[0]
-        self.ids[:count, 0] = inputs[:, 0]
-        self.lengths[:count] = inputs[:, 1]
-        if count < self.batch:  # padding rows: token 0 at position 0 of unused slots
-            self.ids[count:] = 0
-            self.lengths[count:] = 0
+        self.inputs[:count] = inputs
+        if count < self.batch:
+            self.inputs[count:] = self.padding
 
-    def run(self) -> torch.Tensor:
+    def _pass(self):
+        inputs = self.inputs
+        return self.runner._static_pass(*self.tensors, inputs[:, :1], inputs[:, 1], inputs[:, 2:], self.picking)
+
+    def run(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         runner = self.runner
         if runner.device.type != "cuda":
-            return runner._static_pass(*self.tensors, self.ids, self.lengths)
+            return self._pass()
         if self.graph is None:
             # Record after one pass on a side stream (kernels choose their algorithms there). Both write
             # the same keys and values at the same positions as the replay below.
             side = torch.cuda.Stream(runner.device)
             side.wait_stream(torch.cuda.current_stream(runner.device))
             with torch.cuda.stream(side):
-                runner._static_pass(*self.tensors, self.ids, self.lengths)
+                self._pass()
             torch.cuda.current_stream(runner.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                self.out = runner._static_pass(*self.tensors, self.ids, self.lengths)
+                self.out = self._pass()
             self.graph = graph
         self.graph.replay()
         return self.out

@@ -184,7 +184,7 @@ class Instruments:
                                    sets):
                 batch[name] = value.cpu().numpy()
         settings = BatchSettings.of([params] * len(seqs), lsm.shape[1], lsm.device,
-                                    [s.stream.seed(len(s.token_ids)) for s in seqs])
+                                    [s.next_seed() for s in seqs])
         if params.records_processed:
             tokens, self.processed = sample_with_distribution(lsm, settings)
         else:

@@ -42,6 +42,10 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.finish_reason is not None
 
+    def next_seed(self) -> int:
+        """The seed of the random numbers its next token is drawn with (streams.py)."""
+        return self.stream.seed(len(self.token_ids))
+
     @property
     def num_kept_tokens(self) -> int:
         return len(self.token_ids) if self.num_kept is None else self.num_kept

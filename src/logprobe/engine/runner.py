@@ -292,6 +292,13 @@ class ModelRunner:
         """One decode step for every active row of these groups: [rows, V] per group."""
         return [self.decode(g, [g.sequences[i].token_ids[-1] for i in g.active_rows]) for g in groups]
 
+    def decode_and_pick(self, groups: list[SequenceGroup], k: int) -> tuple[list[torch.Tensor], np.ndarray | None]:
+        """`decode_groups`, and where the runner can pick the rows' tokens in the same recorded pass (a
+        CUDA graph on the lean path), what the engine would bring to the host for them (sampler.pick's
+        array, rows in the groups' order, their rows in order within each); None where it cannot: the
+        engine picks them itself."""
+        return self.decode_groups(groups), None
+
     @staticmethod
     def expand(group: SequenceGroup, rows: int) -> None:
         if rows > 1:

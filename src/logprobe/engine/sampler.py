@@ -6,23 +6,47 @@ distribution the token was drawn from, which `sample_with_distribution` returns 
 `sample_batch` draws from.
 
 A non-greedy row is drawn as torch.multinomial draws one sample: each token's probability over an
-exponential random number, the largest wins (an exact draw from the distribution). The row's numbers
-come from the device's own generator seeded for this row and this step by the choice's counter-based
-stream (streams.py), so a seeded row draws the same token in a batch of one or of sixty-four, and a
-tiny change of its probabilities (another batch shape rounds differently) changes the token only where
-two tokens' ratios tie that closely. (Inverting the cumulative sum at one uniform number per row would
-need V fewer numbers, but there a change of 1e-6 in the sum below a token moves the draw to a token
-next to it in the vocabulary's order: under load that flipped seeded answers.) Rows of different
-settings share one pass: a top-k or top-p that a row does not ask for changes nothing in it.
+exponential random number, the largest wins (an exact draw from the distribution). A row's V numbers are
+the first V outputs of SplitMix64 started at the row's seed for this step (the choice's counter-based
+stream gives that seed, streams.py), computed for every row at once in 64-bit integer tensor operations
+(`noise`): the same numbers on any device, in any batch, with no generator state and no per-row work on
+the host, so the draw can run inside a recorded CUDA graph. A seeded row draws the same token in a batch
+of one or of sixty-four, and a tiny change of its probabilities (another batch shape rounds differently)
+changes the token only where two tokens' ratios tie that closely. (Inverting the cumulative sum at one
+uniform number per row would need V fewer numbers, but there a change of 1e-6 in the sum below a token
+moves the draw to a token next to it in the vocabulary's order: under load that flipped seeded
+answers.) Rows of different settings share one pass: a top-k or top-p that a row does not ask for
+changes nothing in it.
+
+`pick` is what a decode step brings to the host: each row's token, its log probability and the top-k,
+packed in one array.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..backend import SamplingParams
+
+
+_MASK = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's increment (streams.py)
+
+
+def _signed(value: int) -> int:
+    """A 64-bit pattern as the int64 that holds it."""
+    value &= _MASK
+    return value - (1 << 64) if value >> 63 else value
+
+
+_M1, _M2 = _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)  # SplitMix64's multipliers
+
+# settings table columns (one int64 row per batch row; floats as their 64-bit patterns)
+GREEDY, TOP_K, SEED, TEMPERATURE, TOP_P = range(5)
+SETTINGS_COLUMNS = 5
 
 
 @dataclass
@@ -35,43 +59,92 @@ class BatchSettings:
     top_p: torch.Tensor | None  # [B, 1] float32, +inf where a row keeps every token
     all_greedy: bool
     max_top_k: int
-    greedy_rows: list[bool] | None = None
+    seeds: torch.Tensor | None = None  # [B] int64: each row's seed for this step, from its stream
 
-    seeds: list[int] | None = None  # each row's seed for this step, from its stream (None: all greedy)
+    @staticmethod
+    def table(params: list[SamplingParams], vocab: int, seeds: list[int] | None) -> np.ndarray:
+        """The rows' settings as one int64 array [B, 5] (columns GREEDY, TOP_K, SEED, TEMPERATURE, TOP_P;
+        the two floats as their float64 bit patterns), which moves to the device in one copy."""
+        out = np.zeros((len(params), SETTINGS_COLUMNS), dtype=np.int64)
+        greedy = np.array([p.is_greedy for p in params], dtype=bool)
+        out[:, GREEDY] = greedy
+        out[:, TOP_K] = [p.top_k if not g and 0 < p.top_k < vocab else 0 for p, g in zip(params, greedy)]
+        if seeds is not None:
+            out[:, SEED] = [_signed(s) for s in seeds]
+        floats = np.empty((len(params), 2), dtype=np.float64)
+        floats[:, 0] = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
+        floats[:, 1] = [p.top_p if not g and p.top_p < 1.0 else np.inf for p, g in zip(params, greedy)]
+        out[:, TEMPERATURE:TOP_P + 1] = floats.view(np.int64)
+        return out
 
     @classmethod
     def of(cls, params: list[SamplingParams], vocab: int, device, seeds: list[int] | None = None) -> "BatchSettings":
         """The rows' settings moved to the device in one copy; `seeds` seed the rows' random numbers."""
-        greedy = [p.is_greedy for p in params]
-        if all(greedy):  # nothing is drawn: no settings need the device
-            return cls(greedy=None, temperature=None, top_k=None, top_p=None, all_greedy=True, max_top_k=0,
-                       greedy_rows=greedy)
-        top_k = [p.top_k if not g and 0 < p.top_k < vocab else 0 for p, g in zip(params, greedy)]
-        top_p = [p.top_p if not g and p.top_p < 1.0 else float("inf") for p, g in zip(params, greedy)]
-        temperature = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
-        table = to_device(list(zip(greedy, temperature, top_k, top_p)), torch.float64, device)  # one copy
-        return cls(greedy=table[:, 0] != 0, temperature=table[:, 1:2].float(),
-                   top_k=table[:, 2:3].long() if any(top_k) else None,
-                   top_p=table[:, 3:4].float() if any(p != float("inf") for p in top_p) else None,
-                   all_greedy=all(greedy), max_top_k=max(top_k), seeds=seeds, greedy_rows=greedy)
+        if all(p.is_greedy for p in params):  # nothing is drawn: no settings need the device
+            return cls.all_greedy_rows()
+        table = cls.table(params, vocab, seeds)
+        return cls.on_device(to_device(table, torch.int64, device), max_top_k=int(table[:, TOP_K].max()),
+                             top_p=bool(np.isfinite(table[:, TOP_P].view(np.float64)).any()))
 
-    def noise(self, vocab: int, device) -> torch.Tensor:
-        """[B, V] float32 exponential random numbers, each row from the device's generator seeded with its
-        seed (one fill per sampled row; a greedy row's are ones: it is not drawn)."""
-        q = torch.ones(len(self.seeds), vocab, device=device)
-        gen = _generator(device)
-        for row, (seed, greedy) in enumerate(zip(self.seeds, self.greedy_rows)):
-            if not greedy:
-                gen.manual_seed(seed)  # the fill takes the generator's state at its launch
-                q[row].exponential_(generator=gen)
-        return q.clamp_(min=torch.finfo(q.dtype).tiny)  # a 0 (possible in float32) wins, as its limit does
+    @classmethod
+    def all_greedy_rows(cls) -> "BatchSettings":
+        return cls(greedy=None, temperature=None, top_k=None, top_p=None, all_greedy=True, max_top_k=0)
+
+    @classmethod
+    def on_device(cls, table: torch.Tensor, max_top_k: int, top_p: bool) -> "BatchSettings":
+        """Settings read from a table already on the device (`table`'s layout): tensors only, nothing
+        read back, so a recorded CUDA graph can take its rows' settings from a buffer. `max_top_k` (the
+        largest top-k of a row, 0 for none) and `top_p` (whether any row asks for it) come from the host;
+        a filter no row asks for is left out."""
+        top_k = max_top_k > 0
+        return cls(greedy=table[:, GREEDY] != 0, temperature=table[:, TEMPERATURE].view(torch.float64).float()[:, None],
+                   top_k=table[:, TOP_K:TOP_K + 1] if top_k else None,
+                   top_p=table[:, TOP_P].view(torch.float64).float()[:, None] if top_p else None,
+                   all_greedy=False, max_top_k=max_top_k, seeds=table[:, SEED])
 
 
-def to_device(values: list, dtype: torch.dtype, device) -> torch.Tensor:
-    """A small host list as a device tensor without waiting for the device: on a GPU the copy goes
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+
+def _counters(vocab: int, device) -> torch.Tensor:
+    """[V] int64: (i + 1) * gamma modulo 2**64 for each token i, SplitMix64's state increments."""
+    key = (vocab, str(device))
+    if key not in _COUNTERS:
+        steps = np.arange(1, vocab + 1, dtype=np.uint64) * np.uint64(_GAMMA)  # wraps modulo 2**64
+        _COUNTERS[key] = torch.from_numpy(steps.view(np.int64)).to(device)
+    return _COUNTERS[key]
+
+
+def _shr(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical shift right of 64-bit patterns held in int64 (torch shifts arithmetically)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def splitmix64(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, V] int64: for each row, the first V outputs of SplitMix64 whose state starts at the row's seed
+    ([B] int64), as 64-bit patterns. int64 products wrap modulo 2**64 on every device torch runs on."""
+    z = seeds[:, None] + _counters(vocab, seeds.device)
+    z ^= _shr(z, 30)
+    z *= _M1
+    z ^= _shr(z, 27)
+    z *= _M2
+    z ^= _shr(z, 31)
+    return z
+
+
+def noise(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, V] float32 exponential random numbers from each row's SplitMix64 outputs: the top 32 bits as a
+    uniform v in (0, 1), then -log(1 - v) (small numbers, where the draws of unlikely tokens are decided,
+    keep their full resolution of 2**-32)."""
+    v = _shr(splitmix64(seeds, vocab), 32).float().mul_(2.0 ** -32).add_(2.0 ** -33)
+    return v.clamp_(max=1.0 - 2.0 ** -24).neg_().log1p_().neg_()
+
+
+def to_device(values, dtype: torch.dtype, device) -> torch.Tensor:
+    """A small host list (or array) as a device tensor without waiting for the device: on a GPU the copy goes
     from pinned memory, queued behind the work already launched (a plain copy from pageable memory
     synchronizes the stream)."""
-    tensor = torch.tensor(values, dtype=dtype)
+    tensor = torch.from_numpy(values).to(dtype) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=dtype)
     if torch.device(device).type == "cpu":
         return tensor
     return tensor.pin_memory().to(device, non_blocking=True)
@@ -100,23 +173,10 @@ def filtered_scores(logprobs: torch.Tensor, settings: BatchSettings) -> torch.Te
     return scores
 
 
-_GENERATORS: dict[str, torch.Generator] = {}
-
-
-def _generator(device) -> torch.Generator:
-    """One generator per device, re-seeded for every row it fills (only the engine's thread samples)."""
-    device = torch.device(device)
-    key = str(device)
-    if key not in _GENERATORS:
-        _GENERATORS[key] = torch.Generator(device=device)
-    return _GENERATORS[key]
-
-
 def draw(scores: torch.Tensor, settings: BatchSettings) -> torch.Tensor:
     """[B] int64: one token per row from softmax(scores): the largest probability over its exponential
     random number."""
-    noise = settings.noise(scores.shape[-1], scores.device)
-    return torch.argmax(torch.softmax(scores, dim=-1) / noise, dim=-1)
+    return torch.argmax(torch.softmax(scores, dim=-1) / noise(settings.seeds, scores.shape[-1]), dim=-1)
 
 
 def sample_batch(logprobs: torch.Tensor, settings: BatchSettings) -> torch.Tensor:
@@ -144,3 +204,15 @@ def sample_row(logprobs: torch.Tensor, params: SamplingParams, seed: int) -> int
     """One token for one row of raw log probabilities ([V]): `sample_batch` on a batch of one."""
     settings = BatchSettings.of([params], logprobs.shape[-1], logprobs.device, [seed])
     return int(sample_batch(logprobs[None], settings)[0])
+
+
+def pick(logprobs: torch.Tensor, settings: BatchSettings, k: int) -> torch.Tensor:
+    """What a decode step brings to the host for rows of raw log probabilities ([B, V], float32), as one
+    float64 array [B, 2 + 2k] (ids and float32 values are exact in float64): each row's token
+    (`sample_batch`), its log probability, then the ids and log probabilities of the k likeliest."""
+    tokens = sample_batch(logprobs, settings)
+    parts = [tokens[:, None].double(), logprobs.gather(1, tokens[:, None]).double()]
+    if k:
+        values, ids = torch.topk(logprobs, k, dim=-1)
+        parts += [ids.double(), values.double()]
+    return torch.cat(parts, dim=1)
