@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 
 from fake_backend import FakeBackend, TinyTokenizer
 from logprobe.api.app import create_app
-from logprobe.backend import (Backend, BackendUnavailable, Delta, RequestAborted, GenerationOutput, GenerationRequest, SamplingParams,
+from logprobe.backend import (Backend, BackendUnavailable, Delta, RequestAborted, GenerationOutput, GenerationRequest, Intervention, SamplingParams,
                               StreamEnd)
 from logprobe.config import AdmissionSettings, Limits
 
@@ -170,6 +170,11 @@ def test_records_survive_pickle(tiny_backend):
                             echo=True, prompt_logprobs=-1, residual_layers=(0, 2))
     request = GenerationRequest("req_1", [256, 104, 105], params, text_start=2)
     same(pickle.loads(pickle.dumps(request)), request)
+    steered = SamplingParams(max_tokens=2, return_unmodified=True, lens_layers=(1, -1), interventions=(
+        Intervention(2, "add", (0, -1), np.arange(8, dtype=np.float32)),
+        Intervention(1, "patch", None, source_ids=(256, 99), source_position=-1, source_layer=2, source_text="hi")))
+    steered_request = GenerationRequest("req_0", [256, 104], steered, text_start=2)
+    same(pickle.loads(pickle.dumps(steered_request)), steered_request)
     (out,) = asyncio.run(tiny_backend.run([request]))
     assert isinstance(out, GenerationOutput) and out.prompt_columns.full.shape == (3, 258)
     assert out.choices[0].residual[2].shape[1] == tiny_backend.info.d_model

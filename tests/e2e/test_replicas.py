@@ -54,6 +54,13 @@ BODIES = [
                          "vocab_encoding": "float16"}),
     ("/v1/completions", {"model": MODEL, "prompt": "A B C", "max_tokens": 2, "temperature": 0,
                          "output_residual_stream": {"layers": [0, -1], "dtype": "bfloat16"}}),
+    # interventions (a patch's source pass on the replica), return_unmodified, the lens and instruments
+    ("/v1/completions", {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 3, "temperature": 0,
+                         "logprobs": 2, "return_unmodified": True, "output_lens": {"layers": [10, -1], "top_k": 2},
+                         "logprob_token_ids": [330, 389], "position_stats": True,
+                         "interventions": [{"layer": 15, "op": "patch", "positions": [-1],
+                                            "source": {"prompt": "The capital of Italy is"}},
+                                           {"layer": 3, "op": "add", "vector": [0.01] * 576, "positions": [0]}]}),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Say hi."}],
                               "max_tokens": 8, "temperature": 0, "logprobs": True, "top_logprobs": 3,
                               "prompt_logprobs": 1}),
