@@ -10,8 +10,8 @@ a network. Prints a table and writes it as JSON (`--out`).
    key/value heads, MLP 14,336, vocabulary 128,256), loaded straight onto the device:
    - prefill tok/s (4 prompts of 2,048 tokens, one token generated each) against the FLOP ceiling,
    - decode tok/s at batch 1, 16 and 64 with logprobs 5 against the bandwidth ceiling (a step reads
-     every weight once: 16.1 GB), with CUDA graphs and without, and at batch 64 with top-p (its tokens
-     picked after the replay instead of in the graph), the step's wall time beside the time
+     every weight once: 16.1 GB), with CUDA graphs and without, with the tokens picked in the graph
+     and after it, and at batch 64 with top-p (picked after the replay, with a sort), the step's wall time beside the time
      the device's kernels run (the profiler) and the device-to-host synchronizations per decode step
      (CUDA's sync debug mode),
    - a 256-position whole-vocabulary request (`prompt_logprobs: -1`, `vocab_encoding: "float32"`)
@@ -281,8 +281,10 @@ def decode(device, holder, batches=(1, 16, 64), steps=48, prompt_len=128):
     runner = engine.runner
     # CUDA graphs of fixed-shape steps, and eager; a CPU (a dry run) runs the fixed-shape step eagerly
     modes = (True, False) if device.type == "cuda" else (True,)
-    # (batch, graphs, top_p): with top-p the tokens are picked after the replay, not in the graph
-    arms = [(b, g, 1.0) for b in batches for g in modes] + [(max(batches), modes[0], 0.95)]
+    # (batch, graphs, pick in the step, top_p): the tokens picked in the recorded step, or after it (the
+    # engine's pick, as for a batch with top-p rows, which also sorts: the last arm)
+    arms = [(b, g, True, 1.0) for b in batches for g in modes] + [(b, modes[0], False, 1.0) for b in batches] \
+        + [(max(batches), modes[0], True, 0.95)]
     picked = []
     real_pick = runner.decode_and_pick
 
@@ -292,8 +294,8 @@ def decode(device, holder, batches=(1, 16, 64), steps=48, prompt_len=128):
         return lsms, host
 
     runner.decode_and_pick = counted_pick
-    for batch, graphs, top_p in arms:
-        runner.static_decode = graphs
+    for batch, graphs, in_step, top_p in arms:
+        runner.static_decode, runner.pick_in_step = graphs, in_step
         runner.graphs.clear()
         groups = [SequenceGroup(f"d{i}", random_prompt(prompt_len, 1000 + i, vocab),
                                 SamplingParams(max_tokens=4096, temperature=1.0, top_p=top_p, seed=i, logprobs=5),
@@ -320,7 +322,8 @@ def decode(device, holder, batches=(1, 16, 64), steps=48, prompt_len=128):
         kernels = kernel_time(engine, plan, device)
         finish(engine, groups)
         step = float(np.median(walls))
-        row = {"batch": batch, "graphs": runner.static_decode, "top_p": top_p, "step_ms": step * 1e3,
+        row = {"batch": batch, "graphs": runner.static_decode, "pick_in_step": in_step, "top_p": top_p,
+               "step_ms": step * 1e3,
                "tok_per_s": batch / step, "syncs_per_step": int(np.median(syncs)),
                "picked_in_step": f"{sum(picked[:steps])} of {len(picked[:steps])}"}
         if busy:
@@ -330,7 +333,8 @@ def decode(device, holder, batches=(1, 16, 64), steps=48, prompt_len=128):
         kv_bytes = engine.runner.kv_cache_bytes
         read = weight_bytes + kv_bytes  # an upper bound of the cache's share: all of it allocated
         row["GBps_weights_only"] = weight_bytes / step / 1e9
-        name = f"batch {batch}" + ("" if runner.static_decode else " eager") + ("" if top_p == 1.0 else f" top_p {top_p}")
+        name = f"batch {batch}" + ("" if runner.static_decode else " eager") + ("" if in_step else " pick after") \
+            + ("" if top_p == 1.0 else f" top_p {top_p}")
         out[name] = row
         say(f"   {name:24s}: {row['tok_per_s']:8.1f} tok/s, step {row['step_ms']:.2f} ms, picked in the step {row['picked_in_step']}"
             + (f" (device clock {row['device_ms']:.2f} ms)" if busy else "")
@@ -339,7 +343,7 @@ def decode(device, holder, batches=(1, 16, 64), steps=48, prompt_len=128):
             f" KV allocated {kv_bytes / 1e9:.2f} GB (read bound {read / 1e9:.1f} GB)")
         for name, ms, count in row.get("top_kernels", []):
             say(f"      {ms:7.3f} ms  x{count:<4d} {name}")
-    runner.static_decode = device.type == "cuda"
+    runner.static_decode, runner.pick_in_step = device.type == "cuda", True
     runner.decode_and_pick = real_pick
     return out
 

@@ -131,10 +131,10 @@ def test_a_rows_random_numbers_are_splitmix64_from_its_seed():
     got = splitmix64(torch.tensor([_signed(s) for s in seeds]), 700).numpy().view(np.uint64)
     for row, seed in enumerate(seeds):
         assert got[row].tolist() == [_mix((seed + (i + 1) * _GAMMA) & _MASK) for i in range(700)]
-    # the exponential numbers: v from the top 32 bits, -log(1 - v); v is rounded to float32, which moves
+    # the exponential numbers: v from the top 31 bits, -log(1 - v); v is rounded to float32, which moves
     # the large numbers (v near 1) by up to ~1e-5 of themselves and keeps the small ones exact
     e = noise(torch.tensor([_signed(s) for s in seeds]), 700).double().numpy()
-    v = (got >> np.uint64(32)).astype(np.float64) * 2.0 ** -32 + 2.0 ** -33
+    v = (got >> np.uint64(33)).astype(np.float64) * 2.0 ** -31 + 2.0 ** -32
     assert np.allclose(e, -np.log1p(-v), rtol=2e-5, atol=0)
     assert np.allclose(e[v < 0.5], -np.log1p(-v[v < 0.5]), rtol=3e-7, atol=0)
     many = noise(torch.tensor([_signed(Stream(3, 0).seed(i)) for i in range(64)]), 4096).double()

@@ -163,6 +163,9 @@ class FastRunner(ModelRunner):
         # capacity with a length mask), replayed as CUDA graphs on a GPU; on a CPU (tests) run eagerly.
         self.static_decode = self.device.type == "cuda" if static_decode is None else static_decode
         self.graphs: dict[tuple, StaticStep] = {}
+        # whether a fixed-shape step also picks the tokens (sampler.pick) in its recorded pass, where no
+        # row filters; off, the engine picks after it (benchmarks/gpu_check.py measures both)
+        self.pick_in_step = True
         # Prompt prefixes' keys and values kept across batches of prompt-only groups (prefix_cache.py);
         # bounded by bytes, kept when idle, 0 turns it off.
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
@@ -678,7 +681,7 @@ class FastRunner(ModelRunner):
         edited = any(g.edits is not None for g in groups)  # a request's interventions: the eager pass
         static = self.static_decode and len(slabs) == 1 and not edited
         picking = None  # (k, whether any row is drawn) when the step picks the tokens itself
-        if static and k is not None:
+        if static and k is not None and self.pick_in_step:
             params = [r.group.params for r in rows]
             if not any(not p.is_greedy and (0 < p.top_k < self.vocab_size or p.top_p < 1.0) for p in params):
                 sampled = not all(p.is_greedy for p in params)

@@ -120,24 +120,38 @@ def _shr(z: torch.Tensor, bits: int) -> torch.Tensor:
     return (z >> bits) & ((1 << (64 - bits)) - 1)
 
 
-def splitmix64(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[B, V] int64: for each row, the first V outputs of SplitMix64 whose state starts at the row's seed
-    ([B] int64), as 64-bit patterns. int64 products wrap modulo 2**64 on every device torch runs on."""
+def _mixed(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, V] int64: SplitMix64's state for each row's first V outputs (the row's seed, [B] int64, plus
+    (i + 1) * gamma), through the output function's first two rounds. int64 products wrap modulo 2**64
+    on every device torch runs on; the shifts are logical."""
     z = seeds[:, None] + _counters(vocab, seeds.device)
     z ^= _shr(z, 30)
     z *= _M1
     z ^= _shr(z, 27)
     z *= _M2
+    return z
+
+
+def splitmix64(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, V] int64: for each row, the first V outputs of SplitMix64 whose state starts at the row's seed,
+    as 64-bit patterns. (The sampler reads only their top 31 bits, which the last round, z ^ z >> 31,
+    leaves as they are: it skips that round.)"""
+    z = _mixed(seeds, vocab)
     z ^= _shr(z, 31)
     return z
 
 
+def _log_uniform(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, V] float32 log(1 - v) = -E for each row's SplitMix64 outputs: v in (0, 1) from an output's top
+    31 bits, E = -log(1 - v) an exponential random number (kept negative: the draw divides by it as it is).
+    Small E, where the draws of unlikely tokens are decided, keeps its full resolution of 2**-31; v
+    rounding to 1 in float32 gives E = inf (that token cannot win this draw)."""
+    return _shr(_mixed(seeds, vocab), 33).float().mul_(-2.0 ** -31).add_(-2.0 ** -32).log1p_()
+
+
 def noise(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[B, V] float32 exponential random numbers from each row's SplitMix64 outputs: the top 32 bits as a
-    uniform v in (0, 1), then -log(1 - v) (small numbers, where the draws of unlikely tokens are decided,
-    keep their full resolution of 2**-32)."""
-    v = _shr(splitmix64(seeds, vocab), 32).float().mul_(2.0 ** -32).add_(2.0 ** -33)
-    return v.clamp_(max=1.0 - 2.0 ** -24).neg_().log1p_().neg_()
+    """[B, V] float32 exponential random numbers, the ones `draw` uses for each row."""
+    return _log_uniform(seeds, vocab).neg_()
 
 
 def to_device(values, dtype: torch.dtype, device) -> torch.Tensor:
@@ -175,8 +189,9 @@ def filtered_scores(logprobs: torch.Tensor, settings: BatchSettings) -> torch.Te
 
 def draw(scores: torch.Tensor, settings: BatchSettings) -> torch.Tensor:
     """[B] int64: one token per row from softmax(scores): the largest probability over its exponential
-    random number."""
-    return torch.argmax(torch.softmax(scores, dim=-1) / noise(settings.seeds, scores.shape[-1]), dim=-1)
+    random number E. `scores` have their largest at 0 (`filtered_scores`), so exp(scores) is the
+    probability times a factor of the row, which changes no choice; over -E it is the most negative."""
+    return torch.argmin(torch.exp(scores) / _log_uniform(settings.seeds, scores.shape[-1]), dim=-1)
 
 
 def sample_batch(logprobs: torch.Tensor, settings: BatchSettings) -> torch.Tensor:
