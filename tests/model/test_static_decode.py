@@ -108,7 +108,7 @@ def test_the_fixed_shape_step_picks_the_tokens_the_engine_would(kind, tokenizer,
     original_pick, original_pass = static.runner.decode_and_pick, static.runner._static_pass
     static.runner.decode_and_pick = lambda groups, k: (lambda out: picked.append(out[1] is not None) or out)(
         original_pick(groups, k))
-    static.runner._static_pass = lambda *args: pickings.append(args[-1]) or original_pass(*args)
+    static.runner._static_pass = lambda *args: pickings.append(args[5]) or original_pass(*args)  # (k, sampled)
 
     def groups_for(engine, settings):
         return [SequenceGroup(f"g{i}", engine.tokenizer(prompts[i % 3]).input_ids,
@@ -145,6 +145,46 @@ def test_the_fixed_shape_step_picks_the_tokens_the_engine_would(kind, tokenizer,
     # both kinds of step ran: with rows drawn and k = 5, and all greedy with k = 4
     assert sum(picked) > len(picked) // 2
     assert (5, True) in pickings and (4, False) in pickings
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_the_step_attends_over_the_span_its_rows_need(kind, tokenizer, reference_of, monkeypatch):
+    """The fixed-shape step reads the least quarter of its slab's capacity that holds its longest row:
+    a group of three rows growing through the classes of 32 and 64 positions runs steps over 24, 32,
+    48 and 64 positions, each kept while its rows fit and a new one made when they cross, with the
+    eager path's tokens and log probabilities and the float64 reference's (Gemma 3: a 12-token
+    window inside the spans)."""
+    model = build(kind, len(tokenizer))
+    eager = Engine(model, tokenizer, "eager", [], kv_cache_positions=16)
+    static = Engine(model, tokenizer, "static", [], kv_cache_positions=16)
+    static.runner.static_decode = True
+    made = []
+
+    class Recorded(fast_runner.StaticStep):
+        def __init__(self, runner, slab, batch, picking=None, span=None):
+            made.append((slab.capacity, span))
+            super().__init__(runner, slab, batch, picking, span)
+
+    monkeypatch.setattr(fast_runner, "StaticStep", Recorded)
+    prompt = list(range(20, 37))  # 17 tokens: the class of 32 positions, 18 held after the first step
+    params = dict(max_tokens=44, temperature=0.8, seed=3, n=3, logprobs=2)
+    for engine in (eager, static):
+        engine.start()
+    try:
+        a = run(eager, [SequenceGroup("a", prompt, SamplingParams(**params), eager.table)])[0]
+        b = run(static, [SequenceGroup("b", prompt, SamplingParams(**params), static.table)])[0]
+    finally:
+        for engine in (eager, static):
+            engine.stop()
+    reference = reference_of(model)
+    for sa, sb in zip(a.sequences, b.sequences):
+        assert sa.token_ids == sb.token_ids and len(sb.token_ids) == 44
+        assert np.allclose(sa.logprobs, sb.logprobs, atol=TOL)
+        ref = reference.logprobs(prompt + sb.token_ids).numpy()
+        positions = np.arange(len(prompt) - 1, len(prompt) - 1 + len(sb.token_ids))
+        assert np.abs(np.asarray(sb.logprobs) - ref[positions, sb.token_ids]).max() < TOL
+    # one step per (class, span): 24 then 32 positions of the class of 32, 48 then 64 of the class of 64
+    assert sorted(set(made)) == [(32, 24), (32, 32), (64, 48), (64, 64)] and len(made) == 4, made
 
 
 def test_a_kept_step_is_dropped_when_its_slab_changes(tokenizer, reference_of):

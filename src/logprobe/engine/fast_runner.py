@@ -7,8 +7,9 @@ transformers' forward (runner.py) instead.
 * Decode: every running sequence of every request in one forward pass: one new token per row, keys
   and values written into the row's slot, attention over each size class's `[:rows, :, :longest]` with
   a length mask (and the layer's sliding window, where it has one). On a GPU, a batch held in one
-  size class runs a fixed-shape step instead (padded to a power of two, attention over the class's
-  whole length with a length mask), recorded once as a CUDA graph per batch size and class and replayed
+  size class runs a fixed-shape step instead (padded to a power of two, attention with a length mask
+  over the least quarter of the class's capacity that holds the longest row, the tokens picked in the
+  same pass), recorded once as a CUDA graph per batch size, class and span and replayed
   (`_decode_static`): the host launches one graph instead of ~30 kernels per block.
 * Prefill: in chunks (a long prompt takes several engine steps, so it does not stall the decoding of
   others), into a per-group buffer that moves into slots when the prompt is done.
@@ -691,7 +692,7 @@ class FastRunner(ModelRunner):
         inputs = to_device(table, torch.int64, self.device)  # one copy, queued behind the work already launched
         lsm = picked = None
         if static:
-            lsm, picked = self._decode_static(slabs[0], inputs, picking)
+            lsm, picked = self._decode_static(slabs[0], inputs, picking, max(r.length for r in rows) + 1)
         if lsm is None:
             lsm = self._decode_eager(slabs, rows, inputs[:, :2])
         for r in rows:
@@ -772,12 +773,18 @@ class FastRunner(ModelRunner):
     STATIC_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
     MAX_GRAPHS = 8  # captured decode steps kept (each holds its own working memory on the device)
 
-    def _decode_static(self, slab, inputs: torch.Tensor, picking: tuple[int, bool] | None
+    SPANS = 4  # a fixed-shape step attends over the first 1/4, 2/4, 3/4 or all of its slab's capacity
+
+    def _decode_static(self, slab, inputs: torch.Tensor, picking: tuple[int, bool] | None, longest: int
                        ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The decode pass in fixed shapes for a batch held in one slab: the batch padded to the next
         size in STATIC_BATCHES (padding rows write into the slab's unused slots, at position 0), and
-        attention over the slab's whole capacity with a length mask (and each sliding window's band), so
-        one CUDA graph per (padded batch, slab, picking) replays every step until the slab changes. With
+        attention over a span of the slab's positions with a length mask (and each sliding window's
+        band): the first quarter, half, three quarters or all of its capacity, the least that holds the
+        batch's `longest` row after this step's position (past the first class a row's class is at most
+        twice its length, so a span reads less than 1.5 times what the longest row holds, where the
+        whole capacity read up to twice). So one CUDA graph per (padded batch, slab, span, picking) replays every step until the
+        slab changes or the longest row crosses into the next span. With
         `picking` = (k, whether any row is drawn), `inputs` carries the rows' sampling settings after
         their token and position, and the pass ends with `sampler.pick`. On a CPU the same pass runs
         eagerly, over the tensors its step was made on, as a replayed graph does (so the tests see a step
@@ -789,10 +796,12 @@ class FastRunner(ModelRunner):
             return None, None
         for key in [k for k, step in self.graphs.items() if not step.holds(self.cache)]:
             del self.graphs[key]  # its slab was replaced or dropped: its tensors go with it
-        key = (batch, id(slab), picking)
+        quarter = max(1, slab.capacity // self.SPANS)
+        span = min(slab.capacity, -(-longest // quarter) * quarter)
+        key = (batch, id(slab), span, picking)
         step = self.graphs.get(key)
         if step is None:
-            step = StaticStep(self, slab, batch, picking)
+            step = StaticStep(self, slab, batch, picking, span)
             while len(self.graphs) >= self.MAX_GRAPHS:
                 del self.graphs[next(iter(self.graphs))]
             self.graphs[key] = step
@@ -802,11 +811,13 @@ class FastRunner(ModelRunner):
 
     def _static_pass(self, keys: list[torch.Tensor], values: list[torch.Tensor], ids: torch.Tensor,
                      lengths: torch.Tensor, settings: torch.Tensor | None = None,
-                     picking: tuple[int, bool] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     picking: tuple[int, bool] | None = None, span: int | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The fixed-shape decode pass itself (what a CUDA graph records) over a slab's per-layer keys and
-        values ([S, KV, capacity, D]): [batch, V] log probabilities, and with `picking` = (k, sampled)
-        the rows' pick from their `settings` (sampler.BatchSettings.table's columns) or None."""
-        batch, capacity = ids.shape[0], keys[0].shape[2]
+        values ([S, KV, capacity, D]), attending over their first `span` positions (None: all):
+        [batch, V] log probabilities, and with `picking` = (k, sampled) the rows' pick from their
+        `settings` (sampler.BatchSettings.table's columns) or None."""
+        batch, capacity = ids.shape[0], span or keys[0].shape[2]
         slots = torch.arange(batch, device=self.device)
         columns = torch.arange(capacity, device=self.device)[None, :]
         mask = columns <= lengths[:, None]
@@ -819,9 +830,9 @@ class FastRunner(ModelRunner):
         def attend(layer, q, k, v):
             keys[layer][slots, :, lengths] = k[:, :, 0]
             values[layer][slots, :, lengths] = v[:, :, 0]
-            out = F.scaled_dot_product_attention(q.reshape(batch, kv_heads, group, -1), keys[layer][:batch],
-                                                 values[layer][:batch], attn_mask=masks[windows[layer]],
-                                                 scale=self.scale)
+            out = F.scaled_dot_product_attention(q.reshape(batch, kv_heads, group, -1),
+                                                 keys[layer][:batch, :, :capacity], values[layer][:batch, :, :capacity],
+                                                 attn_mask=masks[windows[layer]], scale=self.scale)
             return out.reshape(batch, kv_heads * group, 1, -1)
 
         lsm = self.logprobs_of(self._run(ids, lengths[:, None], attend, decode=True)[:, -1])
@@ -896,8 +907,9 @@ class StaticStep:
     keeps the slab's tensors it was recorded on (so their memory cannot be reused under it), and is
     dropped as soon as the slab holds other tensors."""
 
-    def __init__(self, runner: FastRunner, slab, batch: int, picking: tuple[int, bool] | None = None):
-        self.runner, self.slab, self.batch, self.picking = runner, slab, batch, picking
+    def __init__(self, runner: FastRunner, slab, batch: int, picking: tuple[int, bool] | None = None,
+                 span: int | None = None):
+        self.runner, self.slab, self.batch, self.picking, self.span = runner, slab, batch, picking, span
         self.tensors = (list(slab.keys), list(slab.values))
         # the step's inputs: token, position, then (when it picks) BatchSettings.table's columns; padding
         # rows take token 0 at position 0 and are greedy (temperature 1: nothing divides by 0)
@@ -923,7 +935,8 @@ class StaticStep:
 
     def _pass(self):
         inputs = self.inputs
-        return self.runner._static_pass(*self.tensors, inputs[:, :1], inputs[:, 1], inputs[:, 2:], self.picking)
+        return self.runner._static_pass(*self.tensors, inputs[:, :1], inputs[:, 1], inputs[:, 2:], self.picking,
+                                        self.span)
 
     def run(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         runner = self.runner
