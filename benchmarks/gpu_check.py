@@ -11,9 +11,9 @@ a network. Prints a table and writes it as JSON (`--out`).
    - prefill tok/s (4 prompts of 2,048 tokens, one token generated each) against the FLOP ceiling,
    - decode tok/s at batch 1, 16 and 64 with logprobs 5 against the bandwidth ceiling (a step reads
      every weight once: 16.1 GB), with CUDA graphs and without, with the tokens picked in the graph
-     and after it, and at batch 64 with top-p (picked after the replay, with a sort), the step's wall time beside the time
-     the device's kernels run (the profiler) and the device-to-host synchronizations per decode step
-     (CUDA's sync debug mode),
+     and after it, and at batch 64 with top-p (picked after the replay, with a sort), the step's wall
+     time beside the time the device's kernels run (the profiler) and the device-to-host
+     synchronizations per decode step (CUDA's sync debug mode),
    - a 256-position whole-vocabulary request (`prompt_logprobs: -1`, `vocab_encoding: "float32"`)
      end to end through the HTTP application (FastAPI's test client, in process).
 
@@ -336,7 +336,8 @@ def decode(device, holder, batches=(1, 16, 64), steps=48, prompt_len=128):
         name = f"batch {batch}" + ("" if runner.static_decode else " eager") + ("" if in_step else " pick after") \
             + ("" if top_p == 1.0 else f" top_p {top_p}")
         out[name] = row
-        say(f"   {name:24s}: {row['tok_per_s']:8.1f} tok/s, step {row['step_ms']:.2f} ms, picked in the step {row['picked_in_step']}"
+        say(f"   {name:24s}: {row['tok_per_s']:8.1f} tok/s, step {row['step_ms']:.2f} ms,"
+            f" picked in the step {row['picked_in_step']}"
             + (f" (device clock {row['device_ms']:.2f} ms)" if busy else "")
             + (f", kernels busy {row['kernel_ms']:.2f} ms" if kernels else "")
             + f", {row['GBps_weights_only']:.0f} GB/s of weights, {row['syncs_per_step']} syncs/step,"

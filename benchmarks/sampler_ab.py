@@ -70,7 +70,8 @@ def main() -> None:
             print(f"round {r + 1}  {batch:8} baseline {old:7.2f} ms   this tree {new:7.2f} ms   ratio {new / old:.3f}",
                   flush=True)
     for batch, values in ratios.items():
-        print(f"{batch:8} median ratio {statistics.median(values):.3f} (rounds: {', '.join(f'{v:.3f}' for v in values)})")
+        rounds = ", ".join(f"{v:.3f}" for v in values)
+        print(f"{batch:8} median ratio {statistics.median(values):.3f} (rounds: {rounds})")
 
 
 if __name__ == "__main__":

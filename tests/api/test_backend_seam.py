@@ -18,8 +18,8 @@ from fastapi.testclient import TestClient
 
 from fake_backend import FakeBackend, TinyTokenizer
 from logprobe.api.app import create_app
-from logprobe.backend import (Backend, BackendUnavailable, Delta, RequestAborted, GenerationOutput, GenerationRequest, Intervention, SamplingParams,
-                              StreamEnd)
+from logprobe.backend import (Backend, BackendUnavailable, Delta, RequestAborted, GenerationOutput, GenerationRequest,
+                              Intervention, SamplingParams, StreamEnd)
 from logprobe.config import AdmissionSettings, Limits
 
 TESTS = Path(__file__).resolve().parent.parent

@@ -783,8 +783,8 @@ class FastRunner(ModelRunner):
         band): the first quarter, half, three quarters or all of its capacity, the least that holds the
         batch's `longest` row after this step's position (past the first class a row's class is at most
         twice its length, so a span reads less than 1.5 times what the longest row holds, where the
-        whole capacity read up to twice). So one CUDA graph per (padded batch, slab, span, picking) replays every step until the
-        slab changes or the longest row crosses into the next span. With
+        whole capacity read up to twice). So one CUDA graph per (padded batch, slab, span, picking)
+        replays every step until the slab changes or the longest row crosses into the next span. With
         `picking` = (k, whether any row is drawn), `inputs` carries the rows' sampling settings after
         their token and position, and the pass ends with `sampler.pick`. On a CPU the same pass runs
         eagerly, over the tensors its step was made on, as a replayed graph does (so the tests see a step
