@@ -5,7 +5,8 @@ a network. Prints a table and writes it as JSON (`--out`).
 2. Correctness on the device: tiny random-weight models of each family of the lean path (and one
    transformers-forward model) run through logprobe's Engine on the GPU in float32, prompt and
    generated log probabilities checked against a float64 forward of transformers' own implementation
-   on the CPU; the same in bfloat16 with its error reported.
+   on the CPU; the same in bfloat16 with its error reported. The sampler's random numbers: the same
+   SplitMix64 bits on the device as on the CPU, and seeded float32 generations compared token by token.
 3. A Llama-3.1-8B-shaped model with random weights in bfloat16 (32 layers, d_model 4096, 32 query and 8
    key/value heads, MLP 14,336, vocabulary 128,256), loaded straight onto the device:
    - prefill tok/s (4 prompts of 2,048 tokens, one token generated each) against the FLOP ceiling,
@@ -181,6 +182,50 @@ def families(device, tokenizer):
     tol = {"float32": 1e-4, "bfloat16": 0.5}
     out["passed"] = all("error" not in v and v["max_abs_error"] <= tol[k.split("/")[1]]
                         for k, v in out.items())
+    return out
+
+
+@section("the sampler's random numbers on the device and on the CPU")
+def sampler_numbers(device, tokenizer):
+    """The integers behind every draw (SplitMix64's outputs in int64 tensor operations) must be the same
+    bits on the device as on the CPU, and the exponential numbers made from them the same up to float32
+    rounding; then seeded generations of a float32 tiny model on the device and on the CPU are compared
+    token by token (they may part only where two tokens' ratios tie within the devices' rounding)."""
+    from test_families import build
+
+    from logprobe.engine.sampler import _signed, noise, splitmix64
+    from logprobe.engine.streams import Stream
+
+    seeds = torch.tensor([_signed(s) for s in [0, 1, 2**63 - 1, 2**63, 2**64 - 1]]
+                         + [_signed(Stream(7, i).seed(i)) for i in range(11)])
+    vocab = 128_256
+    bits_equal = torch.equal(splitmix64(seeds.to(device), vocab).cpu(), splitmix64(seeds, vocab))
+    here, there = noise(seeds, vocab).double(), noise(seeds.to(device), vocab).cpu().double()
+    finite = torch.isfinite(here)  # v rounding to 1 gives E = inf (that token cannot win): on both
+    relative = float(((here - there).abs() / here)[finite].max()) if torch.equal(finite, torch.isfinite(there)) \
+        else float("inf")
+    model = build("llama", len(tokenizer))
+    prompts = ["The quick brown fox jumps over the lazy dog", "One two three four five", "Paris is the capital of"]
+    tokens = {}
+    for where in ("cpu", device.type):
+        m = __import__("copy").deepcopy(model).to(device=where, dtype=torch.float32)
+        engine = Engine(m, tokenizer, f"tiny-{where}", [])
+        engine.start()
+        try:
+            groups = [SequenceGroup(f"g{i}", tokenizer(p).input_ids,
+                                    SamplingParams(max_tokens=24, n=3, temperature=1.0, seed=40 + i), engine.table)
+                      for i, p in enumerate(prompts)]
+            run_groups(engine, groups)
+        finally:
+            engine.stop()
+        tokens[where] = [seq.token_ids for g in groups for seq in g.sequences]
+    same = sum(a == b for a, b in zip(tokens["cpu"], tokens[device.type]))
+    first_parting = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+                     for a, b in zip(tokens["cpu"], tokens[device.type])]
+    out = {"splitmix64_bits_equal": bits_equal, "noise_max_relative_difference": relative,
+           "seeded_sequences_equal": f"{same} of {len(tokens['cpu'])}", "first_parting": first_parting}
+    say(f"   SplitMix64 bits equal: {bits_equal}; exponential numbers within {relative:.1e} of each other;"
+        f" seeded float32 generations equal on both: {same} of {len(tokens['cpu'])}")
     return out
 
 
@@ -421,7 +466,7 @@ def main():
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default="gpu_check.json")
     parser.add_argument("--small", action="store_true")
-    parser.add_argument("--skip", default="", help="comma-separated sections to skip: families,whole")
+    parser.add_argument("--skip", default="", help="comma-separated sections to skip: families,sampler,whole")
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
@@ -436,6 +481,8 @@ def main():
     skip = set(args.skip.split(","))
     if "families" not in skip:
         families(device, tokenizer)
+    if "sampler" not in skip:
+        sampler_numbers(device, tokenizer)
     holder = {}
     load_large(device, args.small, tokenizer, holder)
     if "engine" in holder:
