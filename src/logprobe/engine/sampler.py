@@ -6,11 +6,12 @@ distribution the token was drawn from, which `sample_with_distribution` returns 
 `sample_batch` draws from.
 
 A non-greedy row is drawn as torch.multinomial draws one sample: each token's probability over an
-exponential random number, the largest wins (an exact draw from the distribution). A row's V numbers are
-the first V outputs of SplitMix64 started at the row's seed for this step (the choice's counter-based
-stream gives that seed, streams.py), computed for every row at once in 64-bit integer tensor operations
-(`noise`): the same numbers on any device, in any batch, with no generator state and no per-row work on
-the host, so the draw can run inside a recorded CUDA graph. A seeded row draws the same token in a batch
+exponential random number, the largest wins (an exact draw from the distribution). A row's V numbers
+come from the top 31 bits of the first V outputs of SplitMix64 started at the row's seed for this step
+(the choice's counter-based stream gives that seed, streams.py), computed for every row at once in
+64-bit integer tensor operations (`_log_uniform`): the same bits on any device (the float32 logarithm
+made from them may differ in its last bit between a CPU and a GPU), in any batch, with no generator
+state and no per-row work on the host, so the draw can run inside a recorded CUDA graph. A seeded row draws the same token in a batch
 of one or of sixty-four, and a tiny change of its probabilities (another batch shape rounds differently)
 changes the token only where two tokens' ratios tie that closely. (Inverting the cumulative sum at one
 uniform number per row would need V fewer numbers, but there a change of 1e-6 in the sum below a token
@@ -30,10 +31,7 @@ import numpy as np
 import torch
 
 from ..backend import SamplingParams
-
-
-_MASK = (1 << 64) - 1
-_GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's increment (streams.py)
+from .streams import _GAMMA, _MASK  # SplitMix64's increment, and 64 bits
 
 
 def _signed(value: int) -> int:
