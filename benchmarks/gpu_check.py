@@ -16,7 +16,10 @@ a network. Prints a table and writes it as JSON (`--out`).
      time beside the time the device's kernels run (the profiler) and the device-to-host
      synchronizations per decode step (CUDA's sync debug mode),
    - a 256-position whole-vocabulary request (`prompt_logprobs: -1`, `vocab_encoding: "float32"`)
-     end to end through the HTTP application (FastAPI's test client, in process).
+     end to end through the HTTP application (FastAPI's test client, in process),
+   - decode at batch 1, 16 and 64 again with the fixed-shape step compiled by torch.compile (Inductor
+     fuses each block's small kernels; `FastRunner.compile_step`, off by default): the first step's
+     time (compiling) and each arm's ratio to the uncompiled one (skipped past 5 minutes of compiling).
 
 The GPU image has torch and transformers but not FastAPI, Starlette, pydantic, uvicorn, orjson or
 gguf: carry them as wheels (docs/development.md, "The GPU check"). The tokenizer is the bundled
@@ -24,6 +27,7 @@ model's (`--tokenizer DIR`: any transformers tokenizer directory; its 49,152 tok
 model's first ids, the rest decode to nothing).
 
     python benchmarks/gpu_check.py --tokenizer DIR [--out gpu_check.json] [--device cuda] [--small]
+                                   [--skip families,sampler,whole,compile]
 
 `--small` shrinks the large model (for a dry run of the script on a CPU).
 """
@@ -318,11 +322,9 @@ def prefill(device, holder, prompts=4, length=2048):
 
 @section("decode")
 @torch.inference_mode()
-def decode(device, holder, batches=(1, 16, 64), steps=48, prompt_len=128):
+def decode(device, holder, batches=(1, 16, 64)):
     engine = holder["engine"]
-    vocab = engine.info.vocab_size
-    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    out = {"weight_GB": weight_bytes / 1e9}
+    out = {"weight_GB": weight_bytes(engine) / 1e9}
     runner = engine.runner
     # CUDA graphs of fixed-shape steps, and eager; a CPU (a dry run) runs the fixed-shape step eagerly
     modes = (True, False) if device.type == "cuda" else (True,)
@@ -330,6 +332,51 @@ def decode(device, holder, batches=(1, 16, 64), steps=48, prompt_len=128):
     # engine's pick, as for a batch with top-p rows, which also sorts: the last arm)
     arms = [(b, g, True, 1.0) for b in batches for g in modes] + [(b, modes[0], False, 1.0) for b in batches] \
         + [(max(batches), modes[0], True, 0.95)]
+    for batch, graphs, in_step, top_p in arms:
+        name, row = decode_arm(device, engine, batch, graphs, in_step, top_p)
+        out[name] = row
+    return out
+
+
+@section("decode, the fixed-shape step compiled (torch.compile)")
+@torch.inference_mode()
+def decode_compiled(device, holder, batches=(1, 16, 64), budget_s=300.0):
+    """The decode arms with graphs and the pick in the step, the step's pass compiled by torch.compile
+    (`FastRunner.compile_step`): Inductor fuses each block's small kernels. Its first steps compile (the
+    time is reported); beside each arm, its ratio to the same arm uncompiled (the decode section)."""
+    engine = holder["engine"]
+    runner = engine.runner
+    out = {}
+    t0 = time.perf_counter()
+    try:
+        for batch in batches:
+            if time.perf_counter() - t0 > budget_s:
+                out[f"batch {batch}"] = {"skipped": f"compiling took over {budget_s:.0f} s"}
+                continue
+            # a CPU (a dry run): traced without generating kernels (Inductor cannot lower the CPU's
+            # pre-packed bfloat16 products)
+            runner.compile_step = "inductor" if device.type == "cuda" else "aot_eager"
+            name, row = decode_arm(device, engine, batch, True, True, 1.0)
+            plain = RESULTS.get("decode", {}).get(name, {})
+            if "tok_per_s" in plain:
+                row["vs_uncompiled"] = row["tok_per_s"] / plain["tok_per_s"]
+                say(f"      {row['vs_uncompiled']:.3f}x the uncompiled step")
+            out[name] = row
+    finally:
+        runner.compile_step = None
+        runner.graphs.clear()
+    return out
+
+
+def weight_bytes(engine) -> int:
+    return sum(p.numel() * p.element_size() for p in engine.model.parameters())
+
+
+def decode_arm(device, engine, batch, graphs, in_step, top_p, steps=48, prompt_len=128):
+    """One decode arm: `batch` streams (temperature 1, seeded, logprobs 5, prompts of `prompt_len`),
+    3 warm-up steps then `steps` timed ones. (name, row)."""
+    runner = engine.runner
+    vocab = engine.info.vocab_size
     picked = []
     real_pick = runner.decode_and_pick
 
@@ -339,15 +386,19 @@ def decode(device, holder, batches=(1, 16, 64), steps=48, prompt_len=128):
         return lsms, host
 
     runner.decode_and_pick = counted_pick
-    for batch, graphs, in_step, top_p in arms:
-        runner.static_decode, runner.pick_in_step = graphs, in_step
-        runner.graphs.clear()
+    runner.static_decode, runner.pick_in_step = graphs, in_step
+    runner.graphs.clear()
+    try:
         groups = [SequenceGroup(f"d{i}", random_prompt(prompt_len, 1000 + i, vocab),
                                 SamplingParams(max_tokens=4096, temperature=1.0, top_p=top_p, seed=i, logprobs=5),
                                 engine.table)
                   for i in range(batch)]
         plan = step_until_decoding(engine, groups)
-        for _ in range(3):  # warm-up steps
+        first = time.perf_counter()
+        engine.step(plan)  # the first step records the graph (and compiles the pass where it is compiled)
+        sync(device)
+        first = time.perf_counter() - first
+        for _ in range(2):  # warm-up steps
             engine.step(plan)
         sync(device)
         walls, busy = [], []
@@ -366,32 +417,33 @@ def decode(device, holder, batches=(1, 16, 64), steps=48, prompt_len=128):
         syncs = [count_syncs(engine, plan, device) for _ in range(3)]  # apart: the debug mode costs time
         kernels = kernel_time(engine, plan, device)
         finish(engine, groups)
-        step = float(np.median(walls))
-        row = {"batch": batch, "graphs": runner.static_decode, "pick_in_step": in_step, "top_p": top_p,
-               "step_ms": step * 1e3,
-               "tok_per_s": batch / step, "syncs_per_step": int(np.median(syncs)),
-               "picked_in_step": f"{sum(picked[:steps])} of {len(picked[:steps])}"}
-        if busy:
-            row["device_ms"] = float(np.median(busy)) * 1e3
-        if kernels is not None:
-            row["kernel_ms"], row["top_kernels"] = kernels
-        kv_bytes = engine.runner.kv_cache_bytes
-        read = weight_bytes + kv_bytes  # an upper bound of the cache's share: all of it allocated
-        row["GBps_weights_only"] = weight_bytes / step / 1e9
-        name = f"batch {batch}" + ("" if runner.static_decode else " eager") + ("" if in_step else " pick after") \
-            + ("" if top_p == 1.0 else f" top_p {top_p}")
-        out[name] = row
-        say(f"   {name:24s}: {row['tok_per_s']:8.1f} tok/s, step {row['step_ms']:.2f} ms,"
-            f" picked in the step {row['picked_in_step']}"
-            + (f" (device clock {row['device_ms']:.2f} ms)" if busy else "")
-            + (f", kernels busy {row['kernel_ms']:.2f} ms" if kernels else "")
-            + f", {row['GBps_weights_only']:.0f} GB/s of weights, {row['syncs_per_step']} syncs/step,"
-            f" KV allocated {kv_bytes / 1e9:.2f} GB (read bound {read / 1e9:.1f} GB)")
-        for name, ms, count in row.get("top_kernels", []):
-            say(f"      {ms:7.3f} ms  x{count:<4d} {name}")
-    runner.static_decode, runner.pick_in_step = device.type == "cuda", True
-    runner.decode_and_pick = real_pick
-    return out
+    finally:
+        runner.decode_and_pick = real_pick
+        runner.static_decode, runner.pick_in_step = device.type == "cuda", True
+    step = float(np.median(walls))
+    row = {"batch": batch, "graphs": graphs, "pick_in_step": in_step, "top_p": top_p,
+           "compiled": runner.compile_step, "first_step_s": first, "step_ms": step * 1e3,
+           "tok_per_s": batch / step, "syncs_per_step": int(np.median(syncs)),
+           "picked_in_step": f"{sum(picked[:steps])} of {len(picked[:steps])}"}
+    if busy:
+        row["device_ms"] = float(np.median(busy)) * 1e3
+    if kernels is not None:
+        row["kernel_ms"], row["top_kernels"], row["kernels_per_step"], row["small_kernel_ms"] = kernels
+    kv_bytes = runner.kv_cache_bytes
+    read = weight_bytes(engine) + kv_bytes  # an upper bound of the cache's share: all of it allocated
+    row["GBps_weights_only"] = weight_bytes(engine) / step / 1e9
+    name = f"batch {batch}" + ("" if graphs else " eager") + ("" if in_step else " pick after") \
+        + ("" if top_p == 1.0 else f" top_p {top_p}")
+    say(f"   {name:24s}: {row['tok_per_s']:8.1f} tok/s, step {row['step_ms']:.2f} ms (first {first:.1f} s),"
+        f" picked in the step {row['picked_in_step']}"
+        + (f" (device clock {row['device_ms']:.2f} ms)" if busy else "")
+        + (f", kernels busy {row['kernel_ms']:.2f} ms ({row['kernels_per_step']:.0f} a step,"
+           f" those under 10 us {row['small_kernel_ms']:.2f} ms)" if kernels else "")
+        + f", {row['GBps_weights_only']:.0f} GB/s of weights, {row['syncs_per_step']} syncs/step,"
+        f" KV allocated {kv_bytes / 1e9:.2f} GB (read bound {read / 1e9:.1f} GB)")
+    for kernel, ms, count in row.get("top_kernels", []):
+        say(f"      {ms:7.3f} ms  x{count:<4d} {kernel}")
+    return name, row
 
 
 def count_syncs(engine, plan, device) -> int:
@@ -409,8 +461,10 @@ def count_syncs(engine, plan, device) -> int:
 
 
 def kernel_time(engine, plan, device, steps=3):
-    """(milliseconds the device's kernels run per decode step, the five longest kernels) from the
-    profiler: beside the step's wall time, how much of it the device is busy."""
+    """(milliseconds the device's kernels run per decode step, the eight longest kernels, kernel launches
+    per step, milliseconds in kernels of under 10 us on average) from the profiler: beside the step's
+    wall time, how much of it the device is busy, and how much of that the small kernels of the blocks
+    (norms, RoPE, cache writes, residual adds, the activation) take, which fusing them would shrink."""
     if device.type != "cuda":
         return None
     from torch.profiler import ProfilerActivity, profile
@@ -419,10 +473,20 @@ def kernel_time(engine, plan, device, steps=3):
         for _ in range(steps):
             engine.step(plan)
         sync(device)
-    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    from torch.autograd import DeviceType
+
+    # the device's own events only: an operator launched from the host (the pick after the replay) also
+    # carries its kernels' time, which would count them twice
+    events = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
+    if not events:
+        say("      (the profiler recorded no device kernels)")
+        return None
     total = sum(e.self_device_time_total for e in events) / 1e3 / steps
-    top = sorted(events, key=lambda e: -e.self_device_time_total)[:5]
-    return total, [(e.key[:80], round(e.self_device_time_total / 1e3 / steps, 3), e.count // steps) for e in top]
+    launches = sum(e.count for e in events) / steps
+    small = sum(e.self_device_time_total for e in events if e.self_device_time_total / e.count < 10) / 1e3 / steps
+    top = sorted(events, key=lambda e: -e.self_device_time_total)[:8]
+    return total, [(e.key[:80], round(e.self_device_time_total / 1e3 / steps, 3), e.count // steps) for e in top], \
+        launches, small
 
 
 @section("whole vocabulary, 256 positions, end to end")
@@ -466,7 +530,7 @@ def main():
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default="gpu_check.json")
     parser.add_argument("--small", action="store_true")
-    parser.add_argument("--skip", default="", help="comma-separated sections to skip: families,sampler,whole")
+    parser.add_argument("--skip", default="", help="comma-separated sections to skip: families,sampler,whole,compile")
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
@@ -490,6 +554,8 @@ def main():
         decode(device, holder)
         if "whole" not in skip:
             whole_vocab(device, holder, tokenizer)
+        if "compile" not in skip:
+            decode_compiled(device, holder)
     with open(args.out, "w") as f:
         json.dump(RESULTS, f, indent=1, default=str)
     say(f"\nwritten to {args.out}")

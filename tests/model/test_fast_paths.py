@@ -76,6 +76,11 @@ def test_int4_product_against_float64():
     assert got.dtype == torch.float32 and got.shape == (5, 96)
     # bfloat16 inputs, scales and output: relative error a few 2^-9
     assert (got.double() - want).abs().max() <= 0.01 * want.abs().max()
+    # the decode rows' own case (2-D, already bfloat16: no reshape, no cast) gives the general path's bits
+    rows = x.bfloat16()
+    direct = lin(rows)
+    assert direct.dtype == torch.bfloat16 and direct.shape == (5, 96)
+    assert torch.equal(direct, lin(rows[None])[0]) and torch.equal(direct.float(), got)
 
 
 # ---- bfloat16: packed weights give the plain product's numbers --------------------------------------
@@ -214,3 +219,57 @@ def test_bundled_model_int4_against_float32(tokenizer):
     assert diff[0] < 1e-5  # the first token comes from the float32 prefill
     assert 0 < diff[1:].max() < 0.1  # 4-bit decode steps: bfloat16-sized differences
     np.testing.assert_allclose(np.stack(a.sequences[0].top_logprobs), np.stack(b.sequences[0].top_logprobs), atol=0.15)
+
+
+# ---- attention masks: additive, made once per pass ------------------------------------------------
+@pytest.mark.parametrize("static", [False, True])
+def test_masks_are_made_additive_once_with_the_boolean_masks_numbers(static, tokenizer, monkeypatch):
+    """SDPA turns a boolean mask into an additive one on every call, once per layer (a kernel per
+    layer on a GPU, inside the recorded decode step too); the lean path hands it the additive masks,
+    made once per pass. Every masked pass (chunked prompts, prompts sharing a prefix, batched chunks
+    beside decoding rows, decode rows at different lengths, the fixed-shape step, sliding windows)
+    must give the numbers the boolean masks give, bit for bit."""
+    from test_families import build
+
+    model = build("gemma3", len(tokenizer))  # sliding-window layers: a band mask per window too
+    seen = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kwargs):
+        seen.append(None if attn_mask is None else attn_mask.dtype)
+        return real(q, k, v, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+
+    def workload(engine):
+        engine.runner.static_decode = static
+        engine.runner.PREFILL_CHUNK = 7  # long prompts arrive in chunks, beside decoding rows
+        shared = engine.tokenizer("A long shared context about rivers and the stones in them, twice over").input_ids
+        groups = [make(engine, ids, max_tokens=m, temperature=t, seed=3, n=n, logprobs=2)
+                  for ids, m, t, n in [([1, 5], 14, 0.0, 1), (list(range(40, 71)), 9, 1.0, 2),
+                                       ([1, 7, 9, 11, 13], 12, 0.7, 1)]]
+        groups += [make(engine, shared + [60 + i] * (i + 1), max_tokens=0, echo=True, logprobs=1,
+                        prompt_logprobs=2) for i in range(3)]
+        run(engine, groups)
+        out = [(list(s.token_ids), np.asarray(s.logprobs).tolist(), [np.asarray(t).tolist() for t in s.top_logprobs])
+               for g in groups for s in g.sequences]
+        return out + [np.asarray(g.prompt_columns.logprobs).tolist() for g in groups if g.prompt_columns is not None]
+
+    engine = Engine(model, tokenizer, "additive", [], kv_cache_positions=16)
+    engine.start()
+    try:
+        got = workload(engine)
+    finally:
+        engine.stop()
+    masked = [dtype for dtype in seen if dtype is not None]
+    assert masked and set(masked) == {torch.float32}, set(masked)  # no boolean mask reaches SDPA
+    seen.clear()
+    boolean = Engine(model, tokenizer, "boolean", [], kv_cache_positions=16)
+    monkeypatch.setattr(boolean.runner, "_additive", lambda masks: masks)
+    boolean.start()
+    try:
+        want = workload(boolean)
+    finally:
+        boolean.stop()
+    assert torch.bool in seen  # the comparison did run the boolean masks
+    np.testing.assert_equal(got, want)  # exactly (a prompt's first position: NaN in both)

@@ -275,3 +275,61 @@ def test_random_mixes_over_rounds_answer_as_the_eager_engine(tokenizer):
     assert any(picked) and not all(picked)  # both the pick in the step and the engine's ran
     assert any(scattered)  # and some steps had a group's rows out of order in the batch
     assert static.runner.cache.is_consistent() and eager.runner.cache.is_consistent()
+
+
+def _cpp_compiler() -> bool:
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        return bool(get_cpp_compiler())
+    except Exception:
+        return False
+
+
+@pytest.mark.parametrize("kind,backend", [
+    ("llama", "aot_eager"), ("gemma3", "aot_eager"),
+    pytest.param("llama", "inductor", marks=pytest.mark.skipif(not _cpp_compiler(),
+                                                               reason="Inductor on a CPU needs a C++ compiler"))])
+def test_the_compiled_fixed_shape_step_answers_as_the_plain_one(kind, backend, tokenizer, monkeypatch):
+    """`compile_step` hands the whole fixed-shape pass to torch.compile as one graph (fullgraph: a graph
+    break fails the step). "aot_eager": Dynamo's trace and functionalization (the cache writes become the
+    graph's mutations of its inputs) without generating kernels; "inductor": the generated kernels (C++
+    here, Triton on a GPU), fused, the sampler's 64-bit integer arithmetic included. Greedy and seeded
+    rows, picks in the step and after it, batches of several padded sizes and spans: every token equals
+    the plain fixed-shape step's, every log probability within 1e-5 of it."""
+    model = build(kind, len(tokenizer))
+    plain = Engine(model, tokenizer, "plain", [], kv_cache_positions=8)
+    compiled = Engine(model, tokenizer, "compiled", [], kv_cache_positions=8)
+    for engine in (plain, compiled):
+        engine.runner.static_decode = True
+    compiled.runner.compile_step = backend
+    traced = []
+    real = torch.compile
+
+    def counting(fn, **kwargs):  # the pass is traced by Dynamo: count the frames it compiles
+        def backend(gm, inputs):
+            traced.append(len(gm.graph.nodes))
+            return real_backend(gm, inputs)
+        real_backend = torch._dynamo.lookup_backend(kwargs.pop("backend"))
+        return real(fn, backend=backend, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", counting)
+    try:
+        for engine in (plain, compiled):
+            engine.start()
+        for round_ in range(2):
+            a, b = run(plain, groups_of(plain)), run(compiled, groups_of(compiled))
+            for ga, gb in zip(a, b):
+                assert len(ga.sequences) == len(gb.sequences) > 0
+                for sa, sb in zip(ga.sequences, gb.sequences):
+                    assert sa.token_ids == sb.token_ids, (kind, round_, ga.request_id)
+                    assert np.allclose(sa.logprobs, sb.logprobs, atol=TOL)
+                    for ta, tb in zip(sa.top_logprobs, sb.top_logprobs):
+                        assert np.allclose(ta, tb, atol=TOL)
+    finally:
+        for engine in (plain, compiled):
+            engine.stop()
+    assert compiled.step_failures == 0 and plain.step_failures == 0
+    # compiled at least once, as whole passes (hundreds of operations a graph, not fragments)
+    assert traced and min(traced) > 100, traced
+    assert compiled.runner.cache.is_consistent() and plain.runner.cache.is_consistent()

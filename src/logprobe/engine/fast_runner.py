@@ -37,7 +37,7 @@ from .interventions import Edits, segment_editor
 from .kv_cache import Row, SlabCache
 from .prefix_cache import BLOCK, PrefixCache
 from .request import PromptColumns, SamplingParams, SequenceGroup
-from .sampler import SETTINGS_COLUMNS, BatchSettings, pick, to_device
+from .sampler import SETTINGS_COLUMNS, BatchSettings, _counters, pick, to_device
 from .runner import ModelRunner, _Captured
 
 log = logging.getLogger("logprobe.engine")
@@ -167,6 +167,12 @@ class FastRunner(ModelRunner):
         # whether a fixed-shape step also picks the tokens (sampler.pick) in its recorded pass, where no
         # row filters; off, the engine picks after it (benchmarks/gpu_check.py measures both)
         self.pick_in_step = True
+        # A torch.compile backend for the fixed-shape step, or None (as it is). "inductor" fuses each
+        # block's small kernels (norms, RoPE, cache writes, residual adds, the activation) between the
+        # products; off until a GPU run shows it pays (benchmarks/gpu_check.py measures it both ways).
+        # (Not with a CPU's pre-packed bfloat16 weights: Inductor does not lower oneDNN's packed product.)
+        self.compile_step: str | None = None
+        self._compiled: dict[str, object] = {}
         # Prompt prefixes' keys and values kept across batches of prompt-only groups (prefix_cache.py);
         # bounded by bytes, kept when idle, 0 turns it off.
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
@@ -221,6 +227,7 @@ class FastRunner(ModelRunner):
             capture(0, x)
         ropes = self._rope(x, positions)
         b, t = ids.shape
+        x = x.reshape(b * t, -1)  # the blocks' activations are [B * T, D]: the products' own layout
         heads, kv_heads, d = self.num_heads, self.kv_heads, self.head_dim
         q_size, qk_size = heads * d, (heads + kv_heads) * d
         half = d // 2
@@ -228,24 +235,24 @@ class FastRunner(ModelRunner):
         for layer, (qkv_proj, o_proj, gate_up_proj, down_proj, norm1, norm2, act, post_attn, post_ff, qk_norm,
                     rope) in enumerate(self.blocks):
             qkv = qkv_proj(norm1(x), few)
-            qk = qkv[..., :qk_size].view(b, t, heads + kv_heads, d)
+            qk = qkv[:, :qk_size].view(b, t, heads + kv_heads, d)
             if qk_norm is not None:
                 qk = qk_norm(qk)
             cos, sin = ropes[rope]
             qk = qk * cos + qk.roll(half, dims=-1) * sin
             q = qk[:, :, :heads].transpose(1, 2)
             k = qk[:, :, heads:].transpose(1, 2)
-            v = qkv[..., qk_size:].view(b, t, kv_heads, d).transpose(1, 2)
-            out = o_proj(attend(layer, q, k, v).transpose(1, 2).reshape(b, t, q_size), few)  # attend: [B, H, T, d]
+            v = qkv[:, qk_size:].view(b, t, kv_heads, d).transpose(1, 2)
+            out = o_proj(attend(layer, q, k, v).transpose(1, 2).reshape(b * t, q_size), few)  # attend: [B, H, T, d]
             x = x + (out if post_attn is None else post_attn(out))
             gate, up = gate_up_proj(norm2(x), few).chunk(2, dim=-1)
             out = down_proj(act(gate) * up, few)
             x = x + (out if post_ff is None else post_ff(out))
             if edit is not None:
-                x = edit(layer + 1, x, positions)
+                x = edit(layer + 1, x.view(b, t, -1), positions).reshape(b * t, -1)
             if capture is not None:
-                capture(layer + 1, x)
-        return self.final_norm(x)
+                capture(layer + 1, x.view(b, t, -1))
+        return self.final_norm(x).view(b, t, -1)
 
     def _bands(self, causal: torch.Tensor, first: int) -> dict:
         """{window: mask} for a causal mask [Q, K] whose query i sits at position first + i over keys at
@@ -255,6 +262,15 @@ class FastRunner(ModelRunner):
         for window in self.window_sizes:
             masks[window] = causal.triu(first - window + 1)
         return masks
+
+    def _additive(self, masks: dict) -> dict:
+        """Boolean masks (True: seen) as the additive masks SDPA makes of them (0 where seen, -inf
+        elsewhere, in the queries' dtype), made once per pass: given a boolean mask, SDPA converts it on
+        every call, once per layer (a kernel per layer on a GPU, inside the recorded decode step too).
+        The same numbers bit for bit. None stays None."""
+        return {key: None if mask is None else
+                torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+                for key, mask in masks.items()}
 
     def logprobs_of(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.head(hidden).float()
@@ -273,7 +289,8 @@ class FastRunner(ModelRunner):
         sliding window's band where the model has them)."""
         masks = {None: None}  # full attention: is_causal
         if self.window_sizes:
-            masks = self._bands(torch.ones(length, length, dtype=torch.bool, device=self.device).tril(), 0)
+            causal = torch.ones(length, length, dtype=torch.bool, device=self.device).tril()
+            masks = self._additive(self._bands(causal, 0))
             masks[None] = None
         windows = self.windows
 
@@ -322,9 +339,10 @@ class FastRunner(ModelRunner):
         ids = state.ids[start:stop][None]
         positions = torch.arange(start, stop, device=self.device)[None]
         if start == 0 and not self.window_sizes:  # the whole prompt so far: plain causal attention, which
-            masks = {None: None}  # lets SDPA take its flash kernels on a GPU (a boolean mask does not)
+            masks = {None: None}  # lets SDPA take its flash kernels on a GPU (a mask does not)
         else:
-            masks = self._bands(torch.ones(stop - start, stop, dtype=torch.bool, device=self.device).tril(start), start)
+            masks = self._additive(self._bands(torch.ones(stop - start, stop, dtype=torch.bool, device=self.device)
+                                               .tril(start), start))
         windows = self.windows
 
         def attend(layer, q, k, v):
@@ -456,6 +474,7 @@ class FastRunner(ModelRunner):
         masks = {None: seen[:, None]}
         for window in self.window_sizes:
             masks[window] = (seen & (positions[:, :, None] - key_pos[:, None, :] < window))[:, None]
+        masks = self._additive(masks)
         windows = self.windows
         kv_shape = (rows, self.kv_heads, longest_prefix, self.head_dim)
         seeds = self._seeds(groups, [i for i, g in enumerate(groups) if not g.params.interventions], firsts, copies)
@@ -594,6 +613,7 @@ class FastRunner(ModelRunner):
             for w, mask in masks.items():
                 mask[q0:q0 + n, k0:k0 + stop] = blocks[w]
             q0, k0 = q0 + n, k0 + stop
+        masks = self._additive(masks)
         windows = self.windows
 
         def attend(layer, q, k, v):
@@ -738,6 +758,8 @@ class FastRunner(ModelRunner):
                     views[window] = (longest - window, None)
                 else:
                     views[window] = (0, (mask & (columns > (part_lengths - window)[:, None])[:, None, None, :]))
+            masks = self._additive({w: mask for w, (_, mask) in views.items()})
+            views = {w: (first, masks[w]) for w, (first, _) in views.items()}
             parts.append((slab, start, n, longest, same, part_lengths, slots, views))
             start += n
         windows = self.windows
@@ -748,15 +770,15 @@ class FastRunner(ModelRunner):
             for slab, first_row, n, longest, same, part_lengths, slots, views in parts:
                 q, k, v = (q_all, k_all, v_all) if n == count else \
                     (q_all[first_row:first_row + n], k_all[first_row:first_row + n], v_all[first_row:first_row + n])
-                if same:
-                    slab.keys[layer][:n, :, longest - 1] = k[:, :, 0]
-                    slab.values[layer][:n, :, longest - 1] = v[:, :, 0]
+                keys, values = slab.keys[layer][:n], slab.values[layer][:n]
+                if same:  # k, v [n, KV, 1, d] go to the one position every row is at
+                    keys.narrow(2, longest - 1, 1).copy_(k)
+                    values.narrow(2, longest - 1, 1).copy_(v)
                 else:
-                    slab.keys[layer][slots, :, part_lengths] = k[:, :, 0]
-                    slab.values[layer][slots, :, part_lengths] = v[:, :, 0]
+                    keys[slots, :, part_lengths] = k[:, :, 0]
+                    values[slots, :, part_lengths] = v[:, :, 0]
                 first, mask = views[windows[layer]]
-                keys = slab.keys[layer][:n, :, first:longest]
-                values = slab.values[layer][:n, :, first:longest]
+                keys, values = keys.narrow(2, first, longest - first), values.narrow(2, first, longest - first)
                 # One query per row: each key/value head's query heads attend as that head's queries
                 # ([B, KV, H/KV, d] against [B, KV, L, d]), the same products as enable_gqa without its
                 # expansion of the keys, which in bfloat16 cost 10x (0.78 vs 0.08 ms for 16 rows of 80
@@ -809,6 +831,18 @@ class FastRunner(ModelRunner):
         lsm, picked = step.run()
         return lsm[:count], None if picked is None else picked[:count]
 
+    def static_pass(self):
+        """`_static_pass`, or its torch.compile'd form where `compile_step` names a backend: the whole
+        pass traced as one graph (a graph break fails loudly), compiled at its first call (which a GPU
+        makes before recording the CUDA graph) and again for new shapes (dynamic after the second)."""
+        backend = self.compile_step
+        if backend is None:
+            return self._static_pass
+        if backend not in self._compiled:
+            _counters(self.vocab_size, self.device)  # the sampler's cached constants, made outside the trace
+            self._compiled[backend] = torch.compile(self._static_pass, backend=backend, fullgraph=True)
+        return self._compiled[backend]
+
     def _static_pass(self, keys: list[torch.Tensor], values: list[torch.Tensor], ids: torch.Tensor,
                      lengths: torch.Tensor, settings: torch.Tensor | None = None,
                      picking: tuple[int, bool] | None = None, span: int | None = None
@@ -824,6 +858,7 @@ class FastRunner(ModelRunner):
         masks = {None: mask[:, None, None, :]}
         for window in self.window_sizes:
             masks[window] = (mask & (columns > (lengths - window)[:, None]))[:, None, None, :]
+        masks = self._additive(masks)
         windows = self.windows
         kv_heads, group = self.kv_heads, self.num_heads // self.kv_heads
 
@@ -935,8 +970,8 @@ class StaticStep:
 
     def _pass(self):
         inputs = self.inputs
-        return self.runner._static_pass(*self.tensors, inputs[:, :1], inputs[:, 1], inputs[:, 2:], self.picking,
-                                        self.span)
+        return self.runner.static_pass()(*self.tensors, inputs[:, :1], inputs[:, 1], inputs[:, 2:], self.picking,
+                                         self.span)
 
     def run(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         runner = self.runner
