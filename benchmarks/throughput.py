@@ -1,6 +1,7 @@
 """Throughput workloads 1, 2, 4 and 5 (docs/performance.md), logprobe against its peers in one run.
 
-1. Scoring: 64 texts of 128 tokens, prompt log probabilities with the 5 likeliest (echo + logprobs 5),
+1. Scoring: 64 texts of 128 tokens, new in each round (no text shares a prefix with another, so no
+   prefix cache serves them), prompt log probabilities with the 5 likeliest (echo + logprobs 5),
    4 concurrent clients; prompt tokens per second. Peers: llama-cpp-python's server on the same GGUF
    (echo + logprobs 5, max_tokens 1), a hand-written transformers float32 loop (forward, log_softmax,
    top-5, one text at a time), and the model's float32 FLOP limit of these machines (770 prompt tok/s for the bundled model).
@@ -92,10 +93,17 @@ def start_llama(gguf: str) -> tuple[subprocess.Popen, str]:
     return proc, f"http://127.0.0.1:{port}"
 
 
-def texts_of_128_tokens(base: str, model: str) -> list[str]:
+def texts_of_128_tokens(base: str, model: str, salt: int) -> list[str]:
+    """64 texts of 128 tokens, new for each `salt` (a round): words of SENTENCES in a seeded random order,
+    so no two texts of any round share more than a few first tokens. (Texts that repeat, or share their
+    first 16 tokens, would be served from logprobe's prefix cache, and llama.cpp's, instead of scored.)"""
+    import random
+
+    vocabulary = " ".join(SENTENCES).replace(".", "").split()
     out = []
     for i in range(64):
-        words = " ".join(SENTENCES[(i + j) % len(SENTENCES)] for j in range(12))  # ~170 tokens, cut to 128
+        draw = random.Random(f"{salt}-{i}")
+        words = " ".join(draw.choice(vocabulary) for _ in range(170))  # ~180 tokens, cut to 128
         ids = httpx.post(base + "/tokenize", json={"prompt": words}).json()["tokens"][:128]
         out.append(httpx.post(base + "/detokenize", json={"tokens": ids}).json()["prompt"])
     return out
@@ -146,7 +154,7 @@ def scoring(base: str, model: str, texts: list[str], max_tokens: int) -> float:
             return r.json()["usage"]["prompt_tokens"]
         return job
 
-    one(texts[0])()  # warm-up
+    one("A short text that warms the server up, and shares no prefix with the texts scored.")()
     tokens, wall = parallel([one(t) for t in texts], workers=4)
     return sum(tokens) / wall
 
@@ -332,13 +340,13 @@ def main() -> None:
     proc, base = start_logprobe(dtype, quantization=args.quantization, model=model)
     try:
         wait_ready(base, proc)
-        texts = texts_of_128_tokens(base, model)
+        texts = [texts_of_128_tokens(base, model, salt) for salt in range(ROUNDS + 1)]  # the last: llama.cpp's
         # The ratios to the transformers peer are taken round by round, logprobe and the peer one after
         # the other, and their median reported: this machine's speed drifts by up to 2x within minutes.
         peer = TransformersPeer(model_dir)
         score_rounds, gen_rounds, gen16_rounds, lp_drop1, lp_drop16 = [], [], [], 0, 0
-        for _ in range(ROUNDS):
-            score_rounds.append((scoring(base, model, texts, max_tokens=0), peer.score(texts)))
+        for round_ in range(ROUNDS):
+            score_rounds.append((scoring(base, model, texts[round_], max_tokens=0), peer.score(texts[round_])))
             ours, lp_ttft1, dropped = generation(base, model, 1, 5)
             gen_rounds.append((ours, peer.generate()))
             lp_drop1 += dropped
@@ -360,7 +368,7 @@ def main() -> None:
         proc, base = start_llama(gguf)
         try:
             wait_ready(base, proc)
-            llama = dict(score=scoring(base, model, texts, max_tokens=1), gen1=generation(base, model, 1, None),
+            llama = dict(score=scoring(base, model, texts[ROUNDS], max_tokens=1), gen1=generation(base, model, 1, None),
                          gen16=generation(base, model, 16, 5))
         finally:
             proc.terminate()
