@@ -306,12 +306,13 @@ def test_the_compiled_fixed_shape_step_answers_as_the_plain_one(kind, backend, t
     traced = []
     real = torch.compile
 
-    def counting(fn, **kwargs):  # the pass is traced by Dynamo: count the frames it compiles
-        def backend(gm, inputs):
+    def counting(fn, **kwargs):  # the pass is traced by Dynamo: count the graphs it hands the backend
+        named = torch._dynamo.lookup_backend(kwargs.pop("backend"))
+
+        def counted(gm, inputs):
             traced.append(len(gm.graph.nodes))
-            return real_backend(gm, inputs)
-        real_backend = torch._dynamo.lookup_backend(kwargs.pop("backend"))
-        return real(fn, backend=backend, **kwargs)
+            return named(gm, inputs)
+        return real(fn, backend=counted, **kwargs)
 
     monkeypatch.setattr(torch, "compile", counting)
     try:
