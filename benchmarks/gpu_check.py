@@ -55,6 +55,7 @@ from logprobe.engine.engine import Engine  # noqa: E402
 from logprobe.engine.request import SamplingParams, SequenceGroup  # noqa: E402
 
 RESULTS: dict = {}
+OUT: list[str] = []  # the JSON file, rewritten after every section (a run cut short keeps what it measured)
 
 
 def say(*parts):
@@ -64,6 +65,12 @@ def say(*parts):
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def write():
+    if OUT:
+        with open(OUT[0], "w") as f:
+            json.dump(RESULTS, f, indent=1, default=str)
 
 
 def section(name):
@@ -77,6 +84,7 @@ def section(name):
                 traceback.print_exc()
                 RESULTS[name] = {"error": f"{type(exc).__name__}: {exc}"}
             say(f"   ({time.perf_counter() - t0:.1f} s)")
+            write()
             return RESULTS[name]
         return run
     return wrap
@@ -534,6 +542,7 @@ def main():
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
+    OUT[:] = [args.out]
     device = torch.device(args.device)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     RESULTS["conditions"] = {"device": str(device), "torch": torch.__version__, "python": platform.python_version(),
@@ -556,8 +565,7 @@ def main():
             whole_vocab(device, holder, tokenizer)
         if "compile" not in skip:
             decode_compiled(device, holder)
-    with open(args.out, "w") as f:
-        json.dump(RESULTS, f, indent=1, default=str)
+    write()
     say(f"\nwritten to {args.out}")
 
 
