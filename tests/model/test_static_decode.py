@@ -290,14 +290,15 @@ def _cpp_compiler() -> bool:
     ("llama", "aot_eager"), ("gemma3", "aot_eager"),
     pytest.param("llama", "inductor", marks=pytest.mark.skipif(not _cpp_compiler(),
                                                                reason="Inductor on a CPU needs a C++ compiler"))])
-def test_the_compiled_fixed_shape_step_answers_as_the_plain_one(kind, backend, tokenizer, monkeypatch):
+def test_the_compiled_fixed_shape_step_answers_as_the_plain_one(kind, backend, tokenizer, reference_of, monkeypatch):
     """`compile_step` hands the whole fixed-shape pass to torch.compile as one graph (fullgraph: a graph
     break fails the step). "aot_eager": Dynamo's trace and functionalization (the cache writes become the
     graph's mutations of its inputs) without generating kernels; "inductor": the generated kernels (C++
     here, Triton on a GPU), fused, the sampler's 64-bit integer arithmetic included. Greedy and seeded
     rows, picks in the step and after it, batches of several padded sizes and spans: every token equals
-    the plain fixed-shape step's, every log probability within 1e-5 of it."""
+    the plain fixed-shape step's, every log probability within 1e-5 of it and of a float64 forward."""
     model = build(kind, len(tokenizer))
+    reference = reference_of(model)
     plain = Engine(model, tokenizer, "plain", [], kv_cache_positions=8)
     compiled = Engine(model, tokenizer, "compiled", [], kv_cache_positions=8)
     for engine in (plain, compiled):
@@ -327,6 +328,10 @@ def test_the_compiled_fixed_shape_step_answers_as_the_plain_one(kind, backend, t
                     assert np.allclose(sa.logprobs, sb.logprobs, atol=TOL)
                     for ta, tb in zip(sa.top_logprobs, sb.top_logprobs):
                         assert np.allclose(ta, tb, atol=TOL)
+                    ref = reference.logprobs(list(gb.prompt_ids) + sb.token_ids).numpy()
+                    start = len(gb.prompt_ids) - 1
+                    want = ref[np.arange(start, start + len(sb.token_ids)), sb.token_ids]
+                    assert np.abs(np.asarray(sb.logprobs) - want).max() < TOL
     finally:
         for engine in (plain, compiled):
             engine.stop()

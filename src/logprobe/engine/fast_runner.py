@@ -267,10 +267,13 @@ class FastRunner(ModelRunner):
         """Boolean masks (True: seen) as the additive masks SDPA makes of them (0 where seen, -inf
         elsewhere, in the queries' dtype), made once per pass: given a boolean mask, SDPA converts it on
         every call, once per layer (a kernel per layer on a GPU, inside the recorded decode step too).
-        The same numbers bit for bit. None stays None."""
-        return {key: None if mask is None else
-                torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-                for key, mask in masks.items()}
+        The same numbers bit for bit. None stays None; a mask that several keys share is made once."""
+        made: dict[int, torch.Tensor] = {}
+        for mask in masks.values():
+            if mask is not None and id(mask) not in made:
+                made[id(mask)] = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(
+                    ~mask, float("-inf"))
+        return {key: None if mask is None else made[id(mask)] for key, mask in masks.items()}
 
     def logprobs_of(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.head(hidden).float()
