@@ -37,6 +37,18 @@ def run(engine, groups):
     return groups
 
 
+def same_and_exact(sa, sb, gb, reference):
+    """Sequence `sb` (of group `gb`) has `sa`'s log probabilities and top-k within TOL, and its log
+    probabilities are the float64 forward's within TOL."""
+    assert np.allclose(sa.logprobs, sb.logprobs, atol=TOL)
+    for ta, tb in zip(sa.top_logprobs, sb.top_logprobs):
+        assert np.allclose(ta, tb, atol=TOL)
+    ref = reference.logprobs(list(gb.prompt_ids) + sb.token_ids).numpy()
+    start = len(gb.prompt_ids) - 1
+    want = ref[np.arange(start, start + len(sb.token_ids)), sb.token_ids]
+    assert np.abs(np.asarray(sb.logprobs) - want).max() < TOL
+
+
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])
 def test_the_fixed_shape_step_answers_as_the_eager_one(kind, tokenizer, reference_of, monkeypatch):
     model = build(kind, len(tokenizer))
@@ -67,14 +79,7 @@ def test_the_fixed_shape_step_answers_as_the_eager_one(kind, tokenizer, referenc
             for ga, gb in zip(a, b):
                 for sa, sb in zip(ga.sequences, gb.sequences):
                     assert sa.token_ids == sb.token_ids, (kind, ga.request_id)
-                    assert np.allclose(sa.logprobs, sb.logprobs, atol=TOL)
-                    for ta, tb in zip(sa.top_logprobs, sb.top_logprobs):
-                        assert np.allclose(ta, tb, atol=TOL)
-                    ids = list(gb.prompt_ids) + sb.token_ids
-                    ref = reference.logprobs(ids).numpy()
-                    start = len(gb.prompt_ids) - 1
-                    want = ref[np.arange(start, start + len(sb.token_ids)), sb.token_ids]
-                    assert np.abs(np.asarray(sb.logprobs) - want).max() < TOL
+                    same_and_exact(sa, sb, gb, reference)
     finally:
         for engine in (eager, static):
             engine.stop()
@@ -325,13 +330,7 @@ def test_the_compiled_fixed_shape_step_answers_as_the_plain_one(kind, backend, t
                 assert len(ga.sequences) == len(gb.sequences) > 0
                 for sa, sb in zip(ga.sequences, gb.sequences):
                     assert sa.token_ids == sb.token_ids, (kind, round_, ga.request_id)
-                    assert np.allclose(sa.logprobs, sb.logprobs, atol=TOL)
-                    for ta, tb in zip(sa.top_logprobs, sb.top_logprobs):
-                        assert np.allclose(ta, tb, atol=TOL)
-                    ref = reference.logprobs(list(gb.prompt_ids) + sb.token_ids).numpy()
-                    start = len(gb.prompt_ids) - 1
-                    want = ref[np.arange(start, start + len(sb.token_ids)), sb.token_ids]
-                    assert np.abs(np.asarray(sb.logprobs) - want).max() < TOL
+                    same_and_exact(sa, sb, gb, reference)
     finally:
         for engine in (plain, compiled):
             engine.stop()
