@@ -88,4 +88,6 @@ def test_docs_pages_load_nothing_from_elsewhere(fake_client, page):
     assert assets
     for url in assets:
         got = fake_client.get(url)
-        assert got.status_code == 200 and len(got.content) > 1000, url
+        assert got.status_code == 200 and got.content, url
+        if url.endswith((".js", ".css")):  # the pages' code itself, not a stub (the favicon is ~0.4 KB)
+            assert len(got.content) > 1000, url

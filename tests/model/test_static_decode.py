@@ -8,6 +8,7 @@ falls back to the eager path for the steps the batch spans two classes)."""
 from __future__ import annotations
 
 import asyncio
+import re
 
 import numpy as np
 import pytest
@@ -291,6 +292,34 @@ def _cpp_compiler() -> bool:
         return False
 
 
+COMPILE_TESTED = torch.__version__ >= fast_runner.COMPILE_MIN_TORCH
+needs_compile_torch = pytest.mark.skipif(
+    not COMPILE_TESTED, reason=f"compile_step refuses torch {torch.__version__} "
+                               "(test_compile_step_refuses_an_untested_torch checks that)")
+
+
+@pytest.mark.parametrize("version,refused", [("2.6.0", True), ("2.11.0+cu130", True), ("2.12.0", False),
+                                             ("2.15.0", False)])
+def test_compile_step_refuses_an_untested_torch(tiny_model, tokenizer, monkeypatch, version, refused):
+    """Below the lowest torch its tests pass on, `compile_step` is refused when it is set, with the
+    versions in the message, before any request could fail in a step; on the lowest end of the
+    dependency ranges (tests/version_ranges.py) this runs against the real old torch too."""
+    engine = Engine(tiny_model, tokenizer, "t", [], kv_cache_positions=8)
+    monkeypatch.setattr(torch, "__version__", torch.torch_version.TorchVersion(version))
+    if refused:
+        with pytest.raises(RuntimeError, match=rf"needs torch >= 2\.12.*this is torch {re.escape(version)}"):
+            engine.runner.compile_step = "aot_eager"
+        assert engine.runner.compile_step is None
+    else:
+        engine.runner.compile_step = "aot_eager"
+        assert engine.runner.compile_step == "aot_eager"
+    monkeypatch.undo()
+    if not COMPILE_TESTED:  # the real torch of this environment
+        with pytest.raises(RuntimeError, match=re.escape(f"this is torch {torch.__version__}")):
+            engine.runner.compile_step = "aot_eager"
+
+
+@needs_compile_torch
 @pytest.mark.parametrize("kind,backend", [
     ("llama", "aot_eager"), ("gemma3", "aot_eager"),
     pytest.param("llama", "inductor", marks=pytest.mark.skipif(not _cpp_compiler(),

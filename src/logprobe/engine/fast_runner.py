@@ -41,6 +41,10 @@ from .sampler import SETTINGS_COLUMNS, BatchSettings, _counters, pick, to_device
 from .runner import ModelRunner, _Captured
 
 log = logging.getLogger("logprobe.engine")
+# The lowest torch that `compile_step` is tested on: torch 2.6 cannot trace the pass (its CPU
+# attention's decomposition reads a scalar), and 2.11 crashed compiling a second model's pass in one
+# process; 2.12 and later pass tests/model/test_static_decode.py (tests/version_ranges.py runs both ends).
+COMPILE_MIN_TORCH = (2, 12)
 
 
 def supports(model) -> bool:
@@ -171,7 +175,7 @@ class FastRunner(ModelRunner):
         # block's small kernels (norms, RoPE, cache writes, residual adds, the activation) between the
         # products; off until a GPU run shows it pays (benchmarks/gpu_check.py measures it both ways).
         # (Not with a CPU's pre-packed bfloat16 weights: Inductor does not lower oneDNN's packed product.)
-        self.compile_step: str | None = None
+        self._compile_step: str | None = None
         self._compiled: dict[str, object] = {}
         # Prompt prefixes' keys and values kept across batches of prompt-only groups (prefix_cache.py);
         # bounded by bytes, kept when idle, 0 turns it off.
@@ -268,12 +272,21 @@ class FastRunner(ModelRunner):
         elsewhere, in the queries' dtype), made once per pass: given a boolean mask, SDPA converts it on
         every call, once per layer (a kernel per layer on a GPU, inside the recorded decode step too).
         The same numbers bit for bit. None stays None; a mask that several keys share is made once."""
-        made: dict[int, torch.Tensor] = {}
-        for mask in masks.values():
-            if mask is not None and id(mask) not in made:
-                made[id(mask)] = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(
-                    ~mask, float("-inf"))
-        return {key: None if mask is None else made[id(mask)] for key, mask in masks.items()}
+        made: list[tuple[torch.Tensor, torch.Tensor]] = []  # (boolean, additive); `is`, not id(): torch.compile traces it
+        out = {}
+        for key, mask in masks.items():
+            if mask is not None:
+                additive = None
+                for seen, add in made:
+                    if seen is mask:
+                        additive = add
+                if additive is None:
+                    additive = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(
+                        ~mask, float("-inf"))
+                    made.append((mask, additive))
+                mask = additive
+            out[key] = mask
+        return out
 
     def logprobs_of(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.head(hidden).float()
@@ -833,6 +846,17 @@ class FastRunner(ModelRunner):
         step.load(inputs)
         lsm, picked = step.run()
         return lsm[:count], None if picked is None else picked[:count]
+
+    @property
+    def compile_step(self) -> str | None:
+        return self._compile_step
+
+    @compile_step.setter
+    def compile_step(self, backend: str | None) -> None:
+        if backend is not None and torch.__version__ < COMPILE_MIN_TORCH:
+            raise RuntimeError(f"compile_step needs torch >= {'.'.join(map(str, COMPILE_MIN_TORCH))}, the "
+                               f"lowest version its tests pass on; this is torch {torch.__version__}")
+        self._compile_step = backend
 
     def static_pass(self):
         """`_static_pass`, or its torch.compile'd form where `compile_step` names a backend: the whole
