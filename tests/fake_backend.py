@@ -726,6 +726,10 @@ class FakeBackend:
             if g.request.request_id == request_id:
                 g.aborted = True
 
+    def generated(self, request_id: str) -> int:
+        """Tokens generated so far by the running requests with this id (the engine's `generated`)."""
+        return sum(len(seq.token_ids) for g in self._running if g.request.request_id == request_id for seq in g.seqs)
+
     def stats(self) -> dict:
         out = {"in_flight": self.in_flight, "steps": self.num_steps, "kv_cache_bytes": 0, "failing": self.failing,
                "step_failures": self.step_failures, "request_failures": self.request_failures}

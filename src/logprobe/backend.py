@@ -83,8 +83,9 @@ class SamplingParams:
     @property
     def needs_forward(self) -> bool:
         """False only for a request that asks for nothing the model computes (max_tokens 0, no prompt
-        log probabilities, no activations): it is answered without the engine."""
-        return self.max_tokens > 0 or self.needs_prompt_logits or bool(self.residual_layers) or bool(self.lens_layers)
+        log probabilities, no activations, no unmodified pass): it is answered without the engine."""
+        return (self.max_tokens > 0 or self.needs_prompt_logits or bool(self.residual_layers)
+                or bool(self.lens_layers) or self.return_unmodified)
 
     @property
     def needs_prompt_logits(self) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import pickle
 import subprocess
 import sys
@@ -500,14 +501,68 @@ def test_a_stream_whose_client_left_is_closed(slow):
     assert (admission.held, admission.running) == (0, 0)
 
 
-def test_a_run_whose_client_left_is_cancelled(slow):
+def test_a_run_whose_client_left_is_cancelled(slow, caplog):
+    """... and is charged, logged and counted with the tokens generated until then (its prompt's 2
+    tokens, and about 10 of 200 steps of 10 ms in the 0.1 s before the client left)."""
     backend, app = slow
     body = {"model": "tiny", "prompt": "x", "max_tokens": 200, "seed": 1}
-    sent = asyncio.run(call_then_leave(app, body, leave_after_first_chunk=False, wait=0.1))
+    with caplog.at_level(logging.INFO, logger="logprobe.access"):
+        sent = asyncio.run(call_then_leave(app, body, leave_after_first_chunk=False, wait=0.1))
     assert sent[0]["status"] == 499
     assert backend.cancelled == [[backend.calls[0].requests[0].request_id]]
     assert backend.stats()["in_flight"] == 0
     assert (app.state.admission.held, app.state.admission.running) == (0, 0)
+    (line,) = [json.loads(r.getMessage()) for r in caplog.records if r.name == "logprobe.access"]
+    assert line["status"] == 499 and line["prompt_tokens"] == 2
+    assert 3 <= line["completion_tokens"] < 200, line
+
+
+def test_a_timed_out_run_is_charged_what_it_generated(tiny_engine, caplog):
+    """A plain request stopped by the request time-out (504) is logged and counted in the metrics with
+    the tokens the engine generated for it until then (`release` charges the key's budget the same)."""
+    app = create_app(tiny_engine, Limits(), AdmissionSettings(request_timeout=0.2))
+    with TestClient(app) as c, caplog.at_level(logging.INFO, logger="logprobe.access"):
+        r = c.post("/v1/completions", json={"model": "tiny", "prompt": [5, 6], "max_tokens": 250, "n": 16,
+                                            "temperature": 1.0, "seed": 1})
+        assert r.status_code == 504, r.text
+        metrics = c.get("/metrics").text
+    (line,) = [json.loads(r.getMessage()) for r in caplog.records
+               if r.name == "logprobe.access" and json.loads(r.getMessage())["path"] == "/v1/completions"]
+    assert line["status"] == 504 and line["prompt_tokens"] == 2
+    assert 16 <= line["completion_tokens"] < 16 * 250, line
+    counted = [float(x.split()[-1]) for x in metrics.splitlines() if x.startswith("logprobe_completion_tokens_total")]
+    assert counted == [line["completion_tokens"]]
+
+
+def test_a_queued_request_whose_client_left_leaves_the_queue_at_once():
+    """A request waiting for its hold whose client disconnects is taken out of the queue then (499), not
+    when its turn comes: a later request that fits beside the running one is admitted without waiting,
+    and the running one is untouched."""
+    backend = FakeBackend(TinyTokenizer(), step_delay=0.01)
+    app = create_app(backend, Limits(max_tokens_in_flight=260), AdmissionSettings(queue_timeout=20))
+    admission = app.state.admission
+
+    async def main():
+        holder = asyncio.ensure_future(call_then_leave(
+            app, {"model": "tiny", "prompt": "x", "max_tokens": 200, "seed": 1}, False, wait=30))
+        await asyncio.sleep(0.05)
+        assert admission.running == 1
+        t0 = asyncio.get_running_loop().time()
+        ghost = await call_then_leave(app, {"model": "tiny", "prompt": "x", "max_tokens": 100, "seed": 2},
+                                      False, wait=0.1)
+        assert ghost[0]["status"] == 499
+        assert asyncio.get_running_loop().time() - t0 < 1.0  # not after the holder's ~2 s
+        assert admission.queue_depth == 0 and admission.running == 1
+        small = await call_then_leave(app, {"model": "tiny", "prompt": "x", "max_tokens": 5, "seed": 3},
+                                      False, wait=30)
+        assert small[0]["status"] == 200 and not holder.done()  # admitted beside the holder
+        sent = await holder
+        assert sent[0]["status"] == 200
+        assert len(json.loads(sent[1]["body"])["choices"][0]["text"]) > 0
+
+    asyncio.run(main())
+    assert [call.requests[0].params.max_tokens for call in backend.calls] == [200, 5]  # the ghost never ran
+    assert (admission.held, admission.running, admission.queue_depth) == (0, 0, 0)
 
 
 def test_abort_stops_a_request(slow):

@@ -373,3 +373,26 @@ def test_a_patch_that_fails_fails_its_request_only(tiny_model, tokenizer, monkey
             assert engine.stats()["failing"] is False
     finally:
         engine.stop()
+
+
+@pytest.mark.parametrize("path,extra", [
+    ("/v1/completions", {"prompt": "The sky is", "max_tokens": 0}),
+    ("/v1/completions", {"prompt": "The sky is", "max_tokens": 0, "logprobs": 1}),
+    ("/v1/completions", {"prompt": "The sky is", "max_tokens": 0, "echo": True}),
+    ("/v1/completions", {"prompt": "The sky is", "max_tokens": 2, "temperature": 0}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0})])
+def test_unmodified_comes_back_when_nothing_else_asks_for_prompt_log_probabilities(client, reference, tokenizer,
+                                                                                   path, extra):
+    """`return_unmodified` alone (no prompt_logprobs, no echo with logprobs): every position's log
+    probability without the interventions, against the float64 forward, for prompt-only requests too."""
+    body = {"model": "tiny", **extra, "return_unmodified": True,
+            "interventions": [{"layer": 1, "op": "scale", "factor": 2.0}]}
+    r = client.post(path, json=body)
+    assert r.status_code == 200, r.text
+    un = r.json()["choices"][0]["unmodified"]
+    ids = un["token_ids"]
+    assert len(ids) >= 2 and un["logprobs"][0] is None and len(un["logprobs"]) == len(ids)
+    ref = reference.logprobs(ids)
+    for i in range(1, len(ids)):
+        assert abs(un["logprobs"][i] - float(ref[i - 1, ids[i]])) < TOL, i
+        assert un["ranks"][i] == int((ref[i - 1] > ref[i - 1, ids[i]]).sum()) + 1

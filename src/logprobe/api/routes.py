@@ -79,7 +79,24 @@ class BackendLost(Unavailable):
 
 
 class ClientGone(Exception):
-    """The client closed the connection before its answer was ready."""
+    """The client closed the connection before its answer was ready; `generated`: the tokens generated
+    for it until then."""
+
+    def __init__(self, generated: int = 0):
+        super().__init__()
+        self.generated = generated
+
+
+def generated_so_far(jobs: list[tuple]) -> int:
+    """Tokens generated so far for the requests of the (backend, requests) jobs still running, from the
+    backends that can tell (`generated`: the in-process engine; a Ray Serve replica cannot be asked,
+    so behind `--replicas` an abandoned plain request is charged its prompt only, as docs/serving.md says)."""
+    total = 0
+    for backend, requests in jobs:
+        count = getattr(backend, "generated", None)
+        if count is not None:
+            total += sum(count(rid) for rid in dict.fromkeys(r.request_id for r in requests))
+    return total
 
 
 async def run_while_connected(request: Request, backend, requests: list[GenerationRequest]) -> list[GenerationOutput]:
@@ -107,23 +124,22 @@ async def run_jobs_while_connected(request: Request, jobs: list[tuple]) -> list[
     single = len(jobs) == 1  # one backend: its own run, without a wrapping task
     run = asyncio.ensure_future(jobs[0][0].run(jobs[0][1]) if single else run_jobs(jobs))
 
-    async def wait_for_disconnect():
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(wait_for_disconnect())
+    watcher = asyncio.ensure_future(disconnected(request))
     timeout = request.app.state.settings.request_timeout or None
     try:
         await asyncio.wait({run, watcher}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
         if not run.done():
+            generated = generated_so_far(jobs)
             run.cancel()  # the backend aborts the requests
             await asyncio.gather(run, return_exceptions=True)
             if watcher.done() and not watcher.cancelled():
-                raise ClientGone()
-            raise Timeout(f"The request ran longer than this server's limit of {timeout:g} s (request_timeout) "
-                          "and was stopped.")
+                raise ClientGone(generated)
+            stopped = Timeout(f"The request ran longer than this server's limit of {timeout:g} s "
+                              "(request_timeout) and was stopped.")
+            stopped.generated = generated
+            raise stopped
     try:
         return [run.result()] if single else run.result()
     except BackendUnavailable as exc:
@@ -136,10 +152,34 @@ def held_tokens(requests: list[GenerationRequest]) -> int:
 
 
 async def admit(request: Request, requests: list[GenerationRequest]):
-    """Hold the request's tokens (waiting in the queue if need be); see admission.py."""
-    hold = await request.app.state.admission.acquire(request.state.key_id, held_tokens(requests))
+    """Hold the request's tokens (waiting in the queue if need be); see admission.py. A client that
+    leaves while its request waits takes it out of the queue at once (ClientGone: logged 499), so it
+    blocks nobody behind it."""
+    acquiring = asyncio.ensure_future(
+        request.app.state.admission.acquire(request.state.key_id, held_tokens(requests)))
+    await asyncio.sleep(0)  # acquire runs to its first wait: a request admitted at once is done here
+    if not acquiring.done():
+        watcher = asyncio.ensure_future(disconnected(request))
+        try:
+            await asyncio.wait({acquiring, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # this handler was cancelled (shutdown): so is the wait
+            acquiring.cancel()
+            raise
+        finally:
+            watcher.cancel()
+        if not acquiring.done():
+            acquiring.cancel()  # acquire takes the waiter out (and gives back a hold made meanwhile)
+            await asyncio.gather(acquiring, return_exceptions=True)
+            raise ClientGone()
+    hold = acquiring.result()
     request.state.hold = hold
     return hold
+
+
+async def disconnected(request: Request) -> None:
+    """Returns when the client has closed the connection (the body was read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def release(request: Request, hold, requests: list[GenerationRequest], completion: int, lost: bool = False) -> None:
@@ -180,14 +220,17 @@ async def run_held_jobs(request: Request, jobs: list[tuple]):
     all), run the jobs, give the hold back. Returns the hold and each job's outputs."""
     requests = [r for _, job_requests in jobs for r in job_requests]
     hold = await admit(request, requests)
-    results, lost = None, False
+    results, lost, generated = None, False, 0
     try:
         results = await run_jobs_while_connected(request, jobs)
+        generated = sum(o.num_generated for outputs in results for o in outputs)
     except BackendLost:
         lost = True
         raise
+    except (ClientGone, Timeout) as exc:  # stopped: what was generated until then is charged too
+        generated = getattr(exc, "generated", 0)
+        raise
     finally:
-        generated = sum(o.num_generated for outputs in results for o in outputs) if results else 0
         release(request, hold, requests, generated, lost)
     return hold, results
 

@@ -218,6 +218,12 @@ class Engine:
         for group in self._running_by_id.get(request_id, ()):
             group.is_aborted = True
 
+    def generated(self, request_id: str) -> int:
+        """Tokens generated so far by the running requests with this id (what an abandoned request is
+        charged for beside its prompt; at most the step in progress behind)."""
+        return sum(len(seq.token_ids) for group in list(self._running_by_id.get(request_id, ()))
+                   for seq in group.sequences)
+
     def stats(self) -> dict:
         return {"in_flight": self.num_in_flight, "steps": self.num_steps,
                 "kv_cache_bytes": self.runner.kv_cache_bytes, "prefix_cache_bytes": self.runner.prefix_cache_bytes,

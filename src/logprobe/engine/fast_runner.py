@@ -272,7 +272,8 @@ class FastRunner(ModelRunner):
         elsewhere, in the queries' dtype), made once per pass: given a boolean mask, SDPA converts it on
         every call, once per layer (a kernel per layer on a GPU, inside the recorded decode step too).
         The same numbers bit for bit. None stays None; a mask that several keys share is made once."""
-        made: list[tuple[torch.Tensor, torch.Tensor]] = []  # (boolean, additive); `is`, not id(): torch.compile traces it
+        # (boolean, additive) pairs, found with `is` rather than id(), which torch.compile cannot trace
+        made: list[tuple[torch.Tensor, torch.Tensor]] = []
         out = {}
         for key, mask in masks.items():
             if mask is not None:
