@@ -565,6 +565,44 @@ def test_a_queued_request_whose_client_left_leaves_the_queue_at_once():
     assert (admission.held, admission.running, admission.queue_depth) == (0, 0, 0)
 
 
+@pytest.mark.parametrize("queued", [False, True])
+def test_a_cancelled_admission_leaves_no_hold(queued):
+    """The handler cancelled while its request is being admitted (server shutdown), at once or while it
+    waits in the queue: nothing stays held, queued or running, and the next request is admitted."""
+    from types import SimpleNamespace
+
+    from logprobe.api.routes import admit
+
+    app = create_app(FakeBackend(TinyTokenizer()), Limits(max_tokens_in_flight=100), AdmissionSettings())
+    admission = app.state.admission
+    requests = [GenerationRequest("req_1", [256, 104], SamplingParams(max_tokens=50))]
+
+    async def receive():
+        await asyncio.sleep(30)
+        return {"type": "http.disconnect"}
+
+    def handler_request():
+        return SimpleNamespace(app=app, state=SimpleNamespace(key_id="anonymous"), receive=receive)
+
+    async def main():
+        blocker = await admission.acquire("anonymous", 60) if queued else None
+        task = asyncio.ensure_future(admit(handler_request(), requests))
+        for _ in range(1 if not queued else 3):
+            await asyncio.sleep(0)
+        assert admission.queue_depth == (1 if queued else 0)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert task.cancelled()
+        if blocker is not None:
+            admission.release(blocker, used=0)
+        assert (admission.held, admission.running, admission.queue_depth) == (0, 0, 0)
+        hold = await admit(handler_request(), requests)  # the next one gets in at once
+        assert admission.running == 1
+        admission.release(hold, used=0)
+
+    asyncio.run(main())
+
+
 def test_abort_stops_a_request(slow):
     backend, _ = slow
     request = GenerationRequest("req_9", [256, 104], SamplingParams(max_tokens=200, seed=1))

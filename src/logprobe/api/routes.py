@@ -155,22 +155,27 @@ async def admit(request: Request, requests: list[GenerationRequest]):
     """Hold the request's tokens (waiting in the queue if need be); see admission.py. A client that
     leaves while its request waits takes it out of the queue at once (ClientGone: logged 499), so it
     blocks nobody behind it."""
-    acquiring = asyncio.ensure_future(
-        request.app.state.admission.acquire(request.state.key_id, held_tokens(requests)))
-    await asyncio.sleep(0)  # acquire runs to its first wait: a request admitted at once is done here
-    if not acquiring.done():
-        watcher = asyncio.ensure_future(disconnected(request))
-        try:
-            await asyncio.wait({acquiring, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:  # this handler was cancelled (shutdown): so is the wait
-            acquiring.cancel()
-            raise
-        finally:
-            watcher.cancel()
+    admission = request.app.state.admission
+    acquiring = asyncio.ensure_future(admission.acquire(request.state.key_id, held_tokens(requests)))
+    watcher = None
+    try:
+        await asyncio.sleep(0)  # acquire runs to its first wait: a request admitted at once is done here
         if not acquiring.done():
+            watcher = asyncio.ensure_future(disconnected(request))
+            await asyncio.wait({acquiring, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not acquiring.done():
+                raise ClientGone()
+    except BaseException:  # the client left, or this handler was cancelled (shutdown): no hold stays
+        if acquiring.done():
+            if not acquiring.cancelled() and acquiring.exception() is None:
+                admission.release(acquiring.result(), used=0)
+        else:
             acquiring.cancel()  # acquire takes the waiter out (and gives back a hold made meanwhile)
             await asyncio.gather(acquiring, return_exceptions=True)
-            raise ClientGone()
+        raise
+    finally:
+        if watcher is not None:
+            watcher.cancel()
     hold = acquiring.result()
     request.state.hold = hold
     return hold
