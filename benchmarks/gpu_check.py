@@ -2,7 +2,7 @@
 a network. Prints a table and writes it as JSON (`--out`).
 
 1. Ceilings of this GPU, measured here: device-to-device copy bandwidth and a bfloat16 matrix product.
-2. Correctness on the device: tiny random-weight models of each family of the lean path (and one
+2. Correctness on the device: tiny random-weight models of each family of the lean runner (and one
    transformers-forward model) run through logprobe's Engine on the GPU in float32, prompt and
    generated log probabilities checked against a float64 forward of transformers' own implementation
    on the CPU; the same in bfloat16 with its error reported. The sampler's random numbers: the same
@@ -18,7 +18,7 @@ a network. Prints a table and writes it as JSON (`--out`).
    - a 256-position whole-vocabulary request (`prompt_logprobs: -1`, `vocab_encoding: "float32"`)
      end to end through the HTTP application (FastAPI's test client, in process),
    - decode at batch 1, 16 and 64 again with the fixed-shape step compiled by torch.compile (Inductor
-     fuses each block's small kernels; `FastRunner.compile_step`, off by default): the first step's
+     fuses each block's small kernels; `FixedShapeSteps.compile_step`, off by default): the first step's
      time (compiling) and each arm's ratio to the uncompiled one (skipped past 5 minutes of compiling).
 
 The GPU image has torch and transformers but not FastAPI, Starlette, pydantic, uvicorn, orjson or
@@ -51,7 +51,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(ROOT, "src"), os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "model")]
 
-from logprobe.engine import fast_runner  # noqa: E402
+from logprobe.engine.lean import fixed_shape  # noqa: E402
 from logprobe.engine.engine import Engine  # noqa: E402
 from logprobe.engine.request import SamplingParams, SequenceGroup  # noqa: E402
 
@@ -157,16 +157,17 @@ def families(device, tokenizer):
                                             SamplingParams(max_tokens=12, n=2, temperature=1.0, seed=i, logprobs=5,
                                                            prompt_logprobs=5), engine.table)
                               for i, p in enumerate(prompts)]
-                    # prompt-only prompts sharing a context (its pass shared: fast_runner._prefill_shared)
+                    # prompt-only prompts sharing a context (its pass shared: PromptBatches.run_shared)
                     context = tokenizer("Question: which of these animals lives in the sea, swims fast and "
                                         "breathes air like we do? Answer:").input_ids
                     scored = [SequenceGroup(f"s{i}", context + tokenizer(a, add_special_tokens=False).input_ids,
                                             SamplingParams(max_tokens=0, prompt_logprobs=2), engine.table)
                               for i, a in enumerate([" the dolphin", " a cow", " the small brown horse"])]
                     shared = []
-                    if hasattr(engine.runner, "_prefill_shared"):
-                        plain = engine.runner._prefill_shared
-                        engine.runner._prefill_shared = lambda gs, cs: shared.append(cs) or plain(gs, cs)
+                    if hasattr(engine.runner, "prompt_batches"):
+                        batches = engine.runner.prompt_batches
+                        plain = batches.run_shared
+                        batches.run_shared = lambda gs, cs: shared.append(cs) or plain(gs, cs)
                     run_groups(engine, groups + scored)
                 finally:
                     engine.stop()
@@ -207,7 +208,7 @@ def sampler_numbers(device, tokenizer):
     from test_families import build
 
     from logprobe.engine.sampler import _signed, noise, splitmix64
-    from logprobe.engine.streams import Stream
+    from logprobe.engine.random_streams import Stream
 
     seeds = torch.tensor([_signed(s) for s in [0, 1, 2**63 - 1, 2**63, 2**64 - 1]]
                          + [_signed(Stream(7, i).seed(i)) for i in range(11)])
@@ -351,17 +352,17 @@ def decode(device, holder, batches=(1, 16, 64)):
 @torch.inference_mode()
 def decode_compiled(device, holder, batches=(1, 16, 64), budget_s=300.0):
     """The decode arms with graphs and the pick in the step, the step's pass compiled by torch.compile
-    (`FastRunner.compile_step`): Inductor fuses each block's small kernels. Its first steps compile (the
+    (`FixedShapeSteps.compile_step`): Inductor fuses each block's small kernels. Its first steps compile (the
     time is reported); beside each arm, its ratio to the same arm uncompiled (the decode section)."""
     engine = holder["engine"]
     runner = engine.runner
     # compile_step refuses a torch below the lowest its tests pass on (2.11 crashed compiling a second
     # model's pass in one process); this check compiles one model's, last of all (the JSON so far is
     # written), so on such a torch it measures anyway, past the refusal, and says so in its results.
-    below = torch.__version__ < fast_runner.COMPILE_MIN_TORCH
+    below = torch.__version__ < fixed_shape.COMPILE_MIN_TORCH
     out = {}
     if below:
-        floor = ".".join(map(str, fast_runner.COMPILE_MIN_TORCH))
+        floor = ".".join(map(str, fixed_shape.COMPILE_MIN_TORCH))
         out["below_tested_torch"] = f"torch {torch.__version__} < {floor}, measured past compile_step's refusal"
         say(f"   {out['below_tested_torch']}")
     t0 = time.perf_counter()
@@ -374,9 +375,9 @@ def decode_compiled(device, holder, batches=(1, 16, 64), budget_s=300.0):
             # pre-packed bfloat16 products)
             backend = "inductor" if device.type == "cuda" else "aot_eager"
             if below:
-                runner._compile_step = backend
+                runner.fixed_shape._compile_step = backend
             else:
-                runner.compile_step = backend
+                runner.fixed_shape.compile_step = backend
             name, row = decode_arm(device, engine, batch, True, True, 1.0)
             plain = RESULTS.get("decode", {}).get(name, {})
             if "tok_per_s" in plain:
@@ -384,8 +385,8 @@ def decode_compiled(device, holder, batches=(1, 16, 64), budget_s=300.0):
                 say(f"      {row['vs_uncompiled']:.3f}x the uncompiled step")
             out[name] = row
     finally:
-        runner.compile_step = None
-        runner.graphs.clear()
+        runner.fixed_shape.compile_step = None
+        runner.fixed_shape.graphs.clear()
     return out
 
 
@@ -408,7 +409,7 @@ def decode_arm(device, engine, batch, graphs, in_step, top_p, steps=48, prompt_l
 
     runner.decode_and_pick = counted_pick
     runner.static_decode, runner.pick_in_step = graphs, in_step
-    runner.graphs.clear()
+    runner.fixed_shape.graphs.clear()
     try:
         groups = [SequenceGroup(f"d{i}", random_prompt(prompt_len, 1000 + i, vocab),
                                 SamplingParams(max_tokens=4096, temperature=1.0, top_p=top_p, seed=i, logprobs=5),
@@ -443,7 +444,7 @@ def decode_arm(device, engine, batch, graphs, in_step, top_p, steps=48, prompt_l
         runner.static_decode, runner.pick_in_step = device.type == "cuda", True
     step = float(np.median(walls))
     row = {"batch": batch, "graphs": graphs, "pick_in_step": in_step, "top_p": top_p,
-           "compiled": runner.compile_step, "first_step_s": first, "step_ms": step * 1e3,
+           "compiled": runner.fixed_shape.compile_step, "first_step_s": first, "step_ms": step * 1e3,
            "tok_per_s": batch / step, "syncs_per_step": int(np.median(syncs)),
            "picked_in_step": f"{sum(picked[:steps])} of {len(picked[:steps])}"}
     if busy:

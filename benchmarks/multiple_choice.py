@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 from logprobe.engine import loader  # noqa: E402
 from logprobe.engine.engine import Engine  # noqa: E402
-from logprobe.engine.fast_runner import shared_prefixes  # noqa: E402
+from logprobe.engine.lean import shared_prefixes  # noqa: E402
 from logprobe.engine.prefix_cache import PrefixCache  # noqa: E402
 from logprobe.engine.request import SamplingParams, SequenceGroup  # noqa: E402
 
@@ -100,13 +100,13 @@ def main():
     engine = Engine(model, tokenizer, "smollm2-135m", [])
     runner = engine.runner
     counted = {"real": 0, "padded": 0}
-    original = runner._run
+    original = runner.forward
 
-    def counting(ids, positions, attend, **kwargs):
+    def counting(ids, meta, **kwargs):
         counted["padded"] += ids.numel()
-        return original(ids, positions, attend, **kwargs)
+        return original(ids, meta, **kwargs)
 
-    runner._run = counting
+    runner.forward = counting
     items = questions(tokenizer, args.questions)
     cache, off = runner.prefix_cache, PrefixCache(0)
     modes = ("shared", "separate", "cached", "uncached")
@@ -122,11 +122,11 @@ def main():
                 runner.prefix_cache = cache if mode == "cached" else off
                 cache.clear()
                 if mode == "separate":
-                    runner.SHARED_PREFIX_MIN = 10**9
+                    runner.prompt_batches.SHARED_PREFIX_MIN = 10**9
                 counted["padded"] = 0
                 seconds, logprobs = (run if mode in ("shared", "separate") else run_sorted)(engine, items)
                 if mode == "separate":
-                    del runner.SHARED_PREFIX_MIN
+                    del runner.prompt_batches.SHARED_PREFIX_MIN
                 times[mode].append(seconds)
                 tokens[mode] = counted["padded"]
                 answers[mode] = logprobs
@@ -138,7 +138,7 @@ def main():
     real_shared = 0
     for c, ans in items:
         prompts = [c + a for a in ans]
-        (prefix, _), = shared_prefixes(prompts, runner.SHARED_PREFIX_MIN)
+        (prefix, _), = shared_prefixes(prompts, runner.prompt_batches.SHARED_PREFIX_MIN)
         real_shared += prefix + sum(len(p) - prefix for p in prompts)
     def largest(a, b):
         return max(float(np.abs(x - y).max()) for x, y in zip(answers[a], answers[b]))

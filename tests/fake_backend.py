@@ -1,11 +1,15 @@
 """A `Backend` (src/logprobe/backend.py) in numpy only, for the API tests, and a tiny tokenizer.
 
-`FakeBackend` answers the API the way the engine does (engine/engine.py, engine/request.py,
-engine/streaming.py): the same columns, offsets, stop rules, stream releases and records, but its
-"model" is a deterministic function of the token ids, not a network. The log probabilities after a
-sequence are the log-softmax of a pseudo-random vector seeded by its last two token ids
-(`logprobs_after`), so a test can compute what any answer must hold. No torch and no transformers:
-the API runs on it in milliseconds, and with torch made unimportable.
+`FakeBackend` fakes the model and nothing else. Its "model" is a deterministic function of the token
+ids, not a network: the log probabilities after a sequence are the log-softmax of a pseudo-random vector
+seeded by its last two token ids (`logprobs_after`), so a test can compute what any answer must hold;
+`pick_rows` chooses tokens from them in numpy as the engine's sampler does on the device. Everything
+after that is the engine's own torch-free code: its request state (engine/request.py), the output
+processor's records and stop rules (engine/output_processor.py), its stream releases
+(engine/streaming.py) and its activation captures (engine/captures.py). Its driver is simpler than the
+engine's loop: each call steps its own groups, all of them every step, a prompt in one step (the
+scheduler's decisions are tested on their own, tests/unit/test_scheduler.py). No torch and no
+transformers: the API runs on it in milliseconds, and with torch made unimportable.
 
 What it records of the seam: `calls` (every run / stream with its requests), `streams` (each stream's
 iterator: closed, finished), `cancelled` (runs whose awaiting task was cancelled), `aborted` (ids given
@@ -26,11 +30,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from logprobe.backend import (RequestAborted, ChoiceOutput, Delta, FinishReason, GenerationOutput,
-                              GenerationRequest, ModelInfo, PositionColumns, PromptColumns, StreamEnd,
-                              finished_without_forward)
-from logprobe.engine.streams import Stream
-from logprobe.tokens import TextAssembler, TokenTable
+from logprobe.backend import (RequestAborted, Delta, GenerationOutput, GenerationRequest, ModelInfo, PositionColumns,
+                              PromptColumns, StreamEnd, finished_without_forward)
+from logprobe.engine.captures import capture_residual
+from logprobe.engine.output_processor import OutputProcessor
+from logprobe.engine.picks import Pick
+from logprobe.engine.request import SequenceGroup
+from logprobe.engine.streaming import release_all, releasers_of
+from logprobe.tokens import TokenTable
 
 MODEL_SALT = 0x10C9
 RESIDUAL_SALT = 0x2E51
@@ -152,7 +159,7 @@ def describe(tokenizer, name: str = "test/tiny-llama", aliases=("tiny",), num_la
 
 
 def vocab_ranks(row: np.ndarray) -> np.ndarray:
-    """1 + the number of strictly larger values, for every entry of a row (engine/runner.vocab_ranks)."""
+    """1 + the number of strictly larger values, for every entry of a row (engine/prompt_columns.vocab_ranks)."""
     order = np.argsort(-row, kind="stable")
     values = row[order]
     starts = np.ones(len(row), dtype=bool)
@@ -256,115 +263,67 @@ def position_rows(params, row: np.ndarray) -> dict:
     return out
 
 
-def stack_rows(params, rows: list[dict], vocab: int, generated: bool) -> PositionColumns:
-    """PositionColumns from per-position dicts (None for a position without a distribution); generated
-    rows also have the sampled token's rank and the asked ids' processed log probabilities."""
+def stack_rows(params, rows: list[dict | None], vocab: int) -> PositionColumns:
+    """Prompt PositionColumns from per-position dicts (None for a position without a distribution)."""
     cols = PositionColumns(top_p=params.top_logprobs_p)
     if params.logprob_token_ids:
         cols.token_ids = np.asarray(params.logprob_token_ids, dtype=np.int64)
     num_ids, cap = len(params.logprob_token_ids), min(params.max_top_p_tokens, vocab)
     shapes = {"token_id_logprobs": (np.float32, num_ids, np.nan), "token_id_ranks": (np.int64, num_ids, 0),
-              "token_id_logprobs_processed": (np.float32, num_ids, np.nan), "entropy": (np.float32, None, np.nan),
-              "ranks": (np.int64, None, 0), "top_p_ids": (np.int64, cap, 0), "top_p_logprobs": (np.float32, cap, np.nan),
-              "top_p_counts": (np.int64, None, 0), "top_p_mass": (np.float32, None, np.nan),
-              "top_p_truncated": (bool, None, False)}
-    names = set(position_rows(params, np.zeros(vocab, np.float32)))
-    if generated:
-        names |= {"ranks"} if params.position_stats else set()
-        names |= {"token_id_logprobs_processed"} if params.records_processed and params.logprob_token_ids else set()
-    for name in names:
+              "entropy": (np.float32, None, np.nan), "top_p_ids": (np.int64, cap, 0),
+              "top_p_logprobs": (np.float32, cap, np.nan), "top_p_counts": (np.int64, None, 0),
+              "top_p_mass": (np.float32, None, np.nan), "top_p_truncated": (bool, None, False)}
+    for name in position_rows(params, np.zeros(vocab, np.float32)):
         dtype, width, empty = shapes[name]
         column = np.full((len(rows),) if width is None else (len(rows), width), empty, dtype=dtype)
         for i, r in enumerate(rows):
-            if r is not None and name in r:
-                value = r[name]
+            if r is not None:
                 if width is not None and name.startswith("top_p_"):
-                    column[i, :len(value)] = value
+                    column[i, :len(r[name])] = r[name]
                 else:
-                    column[i] = value
+                    column[i] = r[name]
         setattr(cols, name, column)
     return cols
 
 
-# ---- requests in flight ----------------------------------------------------------------------------
-
-
-class _Seq:
-    """One choice (engine/request.Sequence, with the streaming releaser's counters)."""
-
-    def __init__(self, index: int, request: GenerationRequest, table: TokenTable):
-        params = request.params
-        self.index = index
-        self.stream = Stream(params.seed, index)  # the engine's counter-based streams (engine/streams.py)
-        self.token_ids: list[int] = []
-        self.logprobs: list[float] = []
-        self.top_ids: list[np.ndarray] = []
-        self.top_logprobs: list[np.ndarray] = []
-        self.text = TextAssembler(table, start=request.text_start)
-        self.finish_reason: FinishReason | None = None
-        self.num_kept: int | None = None
-        self.text_end: int | None = None
-        self.residual: dict[int, np.ndarray] | None = None
-        self.rows: list[dict] = []  # instrument rows, one per generated token
-        self.processed_logprobs: list[float] = []  # logprobs_mode "both"
-        self.processed_top_logprobs: list[np.ndarray] = []
-        self.sent_tokens = 0  # streaming: tokens and characters released so far
-        self.sent_chars = 0
-        self.sent_first = False
-        self.ended = False
-
-    @property
-    def is_finished(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def kept(self) -> int:
-        return len(self.token_ids) if self.num_kept is None else self.num_kept
-
-    def columns(self, k: int, start: int, stop: int):
-        ids = np.asarray(self.token_ids[start:stop], dtype=np.int64)
-        lps = np.asarray(self.logprobs[start:stop], dtype=np.float32)
-        if stop > start and k:
-            top_ids = np.stack(self.top_ids[start:stop])[:, :k]
-            top_lps = np.stack(self.top_logprobs[start:stop])[:, :k]
+def pick_rows(rows: list[np.ndarray], params, seeds: list[int], k: int) -> Pick:
+    """A group's rows after a step, in numpy: what the engine's device side hands its output processor
+    (sampler.pick for a plain request, instruments.pick_with_instruments for one that asked): each row's
+    token, its log probability and top-k (of the drawn-from distribution where `logprobs_mode` asks),
+    and the instrument columns."""
+    tokens, logprobs, top_ids, top_logprobs, processed_logprobs, processed_tops = [], [], [], [], [], []
+    columns: dict[str, list] = {}
+    for row, seed in zip(rows, seeds):
+        if params.records_processed:
+            token, processed = sample_with_distribution(row, params, seed)
         else:
-            top_ids = np.zeros((stop - start, k), np.int64)
-            top_lps = np.zeros((stop - start, k), np.float32)
-        return ids, lps, top_ids, top_lps
-
-    def output(self, k: int, params, vocab: int) -> ChoiceOutput:
-        ids, lps, top_ids, top_lps = self.columns(k, 0, self.kept)
-        text = self.text.text if self.text_end is None else self.text.text[:self.text_end]
-        out = ChoiceOutput(self.index, ids, lps, top_ids, top_lps, list(self.text.offsets[:self.kept]), text,
-                           self.finish_reason.value, len(self.token_ids), self.residual)
+            token, processed = sample(row, params, seed), None
+        numbers = processed if params.logprobs_mode == "processed" and processed is not None else row
+        ids, _ = top_k(row, k)
+        tokens.append(token)
+        logprobs.append(numbers[token])
+        top_ids.append(ids)
+        top_logprobs.append(numbers[ids])
         if params.needs_position_columns:
-            out.extras = stack_rows(params, self.rows[:self.kept], vocab, True)
-        if params.logprobs_mode == "both" and params.logprobs is not None:
-            out.processed_logprobs = np.asarray(self.processed_logprobs[:self.kept], np.float32)
-            out.processed_top_logprobs = (np.stack(self.processed_top_logprobs[:self.kept])[:, :k] if self.kept and k
-                                          else np.zeros((self.kept, k), np.float32))
-        return out
+            found = position_rows(params, row)
+            if params.position_stats:
+                found["ranks"] = int((row > row[token]).sum()) + 1
+            if processed is not None and params.logprob_token_ids:
+                found["token_id_logprobs_processed"] = processed[list(params.logprob_token_ids)]
+            for name, value in found.items():
+                columns.setdefault(name, []).append(value)
+        if params.logprobs_mode == "both" and processed is not None:
+            processed_logprobs.append(processed[token])
+            processed_tops.append(processed[ids])
+    both = bool(processed_logprobs)
+    return Pick(np.asarray(tokens, np.int64), np.asarray(logprobs, np.float32),
+                np.stack(top_ids).astype(np.int64), np.stack(top_logprobs).astype(np.float32),
+                np.asarray(processed_logprobs, np.float32) if both else None,
+                np.stack(processed_tops).astype(np.float32) if both else None,
+                {name: np.asarray(values) for name, values in columns.items()})
 
 
-class _Group:
-    def __init__(self, request: GenerationRequest, table: TokenTable):
-        self.request = request
-        self.params = request.params
-        self.seqs = [_Seq(j, request, table) for j in range(request.params.n)]
-        self.table = table
-        self.prompt_columns: PromptColumns | None = None
-        self.steps = 0
-        self.aborted = False
-
-    @property
-    def is_finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
-
-    def output(self) -> GenerationOutput:
-        k = self.params.logprobs or 0
-        vocab = len(self.table.strings)
-        return GenerationOutput(self.request.request_id, len(self.request.prompt_ids), self.prompt_columns,
-                                [s.output(k, self.params, vocab) for s in self.seqs])
+# ---- records ---------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -409,7 +368,8 @@ class FakeBackend:
         self.streams: list[StreamRecord] = []
         self.cancelled: list[list[str]] = []
         self.aborted: list[str] = []
-        self._running: list[_Group] = []
+        self.outputs = OutputProcessor(self.info.context_length)  # the engine's own
+        self._running: list[SequenceGroup] = []
         self._rows: OrderedDict = OrderedDict()
 
     # ---- records -----------------------------------------------------------------------------
@@ -489,90 +449,38 @@ class FakeBackend:
         if params is not None and params.needs_position_columns:
             rows = [None] + [position_rows(params, self._row(ids[i - 2] if i >= 2 else -1, ids[i - 1]))
                              for i in range(1, num)]
-            cols.extras = stack_rows(params, rows, vocab, False)
+            cols.extras = stack_rows(params, rows, vocab)
         return cols
 
-    # ---- stepping ----------------------------------------------------------------------------
-    def _step(self, group: _Group) -> int:
+    def residual_stream(self, ids: list[int], layers: list[int], edits=None) -> dict[int, np.ndarray]:
+        """The runner's method of that name (engine/captures.py reads activations through it)."""
+        return {layer: self.residual_of(ids, layer) for layer in layers}
+
+    # ---- stepping: the model's part, then the engine's output processor ----------------------
+    def _step(self, group: SequenceGroup) -> int:
         """One engine step of a group: the prefill (prompt columns, first token) or one decode step.
         Returns the rows it ran."""
-        params, prompt = group.params, group.request.prompt_ids
-        first = group.steps == 0
-        group.steps += 1
-        if first and params.needs_prompt_logits:
-            group.prompt_columns = self._prompt_columns(list(prompt), params.num_prompt_top,
-                                                        params.prompt_logprobs == -1, params)
-        rows = 0
-        if first and params.max_tokens == 0:
-            for seq in group.seqs:
-                seq.finish_reason = FinishReason.LENGTH
-                seq.text.finish()
-            rows = 1
-        else:
-            k = params.logprobs or 0
-            for seq in group.seqs:
-                if seq.is_finished:
-                    continue
-                rows += 1
-                row = self.logprobs_after(list(prompt[-2:]) + seq.token_ids[-2:])
-                if params.records_processed:
-                    token, processed = sample_with_distribution(row, params, seq.stream.seed(len(seq.token_ids)))
-                else:
-                    token, processed = sample(row, params, seq.stream.seed(len(seq.token_ids))), None
-                seq.token_ids.append(token)
-                numbers = processed if params.logprobs_mode == "processed" and processed is not None else row
-                seq.logprobs.append(float(numbers[token]))
-                if k:
-                    ids, vals = top_k(row, k)
-                    seq.top_ids.append(ids)
-                    seq.top_logprobs.append(numbers[ids])
-                if params.needs_position_columns:
-                    seq.rows.append(position_rows(params, row))
-                    if params.position_stats:
-                        seq.rows[-1]["ranks"] = int((row > row[token]).sum()) + 1
-                    if processed is not None and params.logprob_token_ids:
-                        seq.rows[-1]["token_id_logprobs_processed"] = processed[list(params.logprob_token_ids)]
-                if params.logprobs_mode == "both" and processed is not None:
-                    seq.processed_logprobs.append(float(processed[token]))
-                    if k:
-                        seq.processed_top_logprobs.append(processed[ids])
-                self._check_stop(seq, group)
+        params, prompt = group.params, group.prompt_ids
+        num_rows = len(group.active_rows)
+        if not group.active_rows:  # the prefill
+            group.num_computed_tokens = group.num_prompt_tokens
+            if params.needs_prompt_logits:
+                group.prompt_columns = self._prompt_columns(list(prompt), params.num_prompt_top,
+                                                            params.prompt_logprobs == -1, params)
+            if params.max_tokens == 0:
+                self.outputs.finish_prompt_only(group)
+                num_rows = 1
+            else:
+                self.outputs.start_decoding(group)
+                num_rows = len(group.active_rows)
+        if group.active_rows:
+            seqs = [group.sequences[i] for i in group.active_rows]
+            rows = [self.logprobs_after(list(prompt[-2:]) + seq.token_ids[-2:]) for seq in seqs]
+            self.outputs.record(group, pick_rows(rows, params, [seq.next_seed() for seq in seqs],
+                                                 params.logprobs or 0))
         if group.is_finished and params.residual_layers:
-            for seq in group.seqs:
-                ids = list(prompt) + seq.token_ids[:seq.kept]
-                seq.residual = {layer: self.residual_of(ids, layer) for layer in params.residual_layers}
-        return rows
-
-    def _check_stop(self, seq: _Seq, group: _Group) -> None:
-        """engine.Engine._check_stop: stop tokens, stop strings (cut the text, keep the tokens before the
-        cut), max_tokens, the context."""
-        params = group.params
-        token = seq.token_ids[-1]
-        before = seq.text.length
-        seq.text.add(token)
-        if token in params.stop_token_ids:
-            seq.finish_reason = FinishReason.STOP
-        elif params.stop and self._cut_at_stop(seq, params.stop, before):
-            seq.finish_reason = FinishReason.STOP
-        elif len(seq.token_ids) >= params.max_tokens:
-            seq.finish_reason = FinishReason.LENGTH
-        elif len(group.request.prompt_ids) + len(seq.token_ids) >= self.info.context_length:
-            seq.finish_reason = FinishReason.LENGTH
-        if seq.is_finished:
-            seq.text.finish()
-
-    @staticmethod
-    def _cut_at_stop(seq: _Seq, stops: list[str], before: int) -> bool:
-        start = seq.text.offsets[0]
-        text = seq.text.text
-        window = max(0, before - start - max(len(s) for s in stops) + 1)
-        hits = [p for p in (text.find(s, window) for s in stops) if p >= 0]
-        if not hits:
-            return False
-        cut = min(hits)
-        seq.text_end = cut
-        seq.num_kept = sum(1 for off in seq.text.offsets if off < start + cut)
-        return True
+            capture_residual(self, group)
+        return num_rows
 
     def _fail_now(self, steps_done: int) -> None:
         if self.fail_with is not None and steps_done >= self.fail_after_steps:
@@ -583,37 +491,37 @@ class FakeBackend:
                 self.failure_observer("request")
             raise exc
 
-    async def _drive(self, groups: list[_Group]) -> None:
-        """Step every group until all have finished, sleeping `step_delay` between steps (a cancellation
-        lands there)."""
-        steps = 0
-        while True:
-            self._fail_now(steps)
-            live = [g for g in groups if not g.is_finished]
-            if not live:
-                return
-            t0, rows = time.perf_counter(), 0
-            for g in live:
-                if g.aborted:
-                    raise RequestAborted(f"request {g.request.request_id} was aborted")
-                rows += self._step(g)
-            steps += 1
-            self.num_steps += 1
-            if self.step_observer is not None:
-                self.step_observer(time.perf_counter() - t0, rows)
-            await asyncio.sleep(self.step_delay)
+    def _step_all(self, groups: list[SequenceGroup], steps_done: int, on_step=None) -> bool:
+        """One step of every group not yet finished (False when none is left); `on_step(i)`, if given,
+        runs after group i's step."""
+        self._fail_now(steps_done)
+        live = [(i, g) for i, g in enumerate(groups) if not g.is_finished]
+        if not live:
+            return False
+        t0, rows = time.perf_counter(), 0
+        for i, g in live:
+            if g.is_aborted:
+                raise RequestAborted(f"request {g.request_id} was aborted")
+            rows += self._step(g)
+            if on_step is not None:
+                on_step(i)
+        self.num_steps += 1
+        if self.step_observer is not None:
+            self.step_observer(time.perf_counter() - t0, rows)
+        return True
 
     # ---- the Backend protocol ----------------------------------------------------------------
     async def run(self, requests: list[GenerationRequest]) -> list[GenerationOutput]:
         self._record("run", requests)
-        groups = {i: _Group(r, self.table) for i, r in enumerate(requests) if r.params.needs_forward}
+        groups = {i: SequenceGroup.from_request(r, self.table) for i, r in enumerate(requests)
+                  if r.params.needs_forward}
         self._running += groups.values()
         self.in_flight += len(groups)
         try:
-            if groups:
-                await self._drive(list(groups.values()))
-            else:
-                self._fail_now(0)
+            steps = 0
+            while self._step_all(list(groups.values()), steps):  # sleeping between steps: a cancellation lands there
+                steps += 1
+                await asyncio.sleep(self.step_delay)
         except asyncio.CancelledError:
             self.cancelled.append([r.request_id for r in requests])
             raise
@@ -624,111 +532,52 @@ class FakeBackend:
         return [groups[i].output() if i in groups else finished_without_forward(r) for i, r in enumerate(requests)]
 
     async def stream(self, requests: list[GenerationRequest], k: int):
-        """Lists of Delta after each step that released something, then a StreamEnd; closing the
-        iterator early ends the requests (recorded in `streams`)."""
+        """Lists of Delta after each step that released something (the engine's releasers), then a
+        StreamEnd; closing the iterator early ends the requests (recorded in `streams`)."""
         self._record("stream", requests, k)
         record = StreamRecord(list(requests))
         self.streams.append(record)
         del self.streams[:-self.KEEP]
-        groups = [_Group(r, self.table) for r in requests]
-        holds = [max((len(s) for s in r.params.stop), default=1) - 1 for r in requests]
+        groups = [SequenceGroup.from_request(r, self.table) for r in requests]
+        releasers = [releasers_of(g, k) for g in groups]
+        released: list[list[Delta]] = []
+
+        def on_step(i: int) -> None:
+            deltas = release_all(releasers[i], i)
+            if deltas:
+                released.append(deltas)
+
         self._running += groups
         self.in_flight += len(groups)
         try:
             steps = 0
-            while True:
-                self._fail_now(steps)
-                live = [(i, g) for i, g in enumerate(groups) if not g.is_finished]
-                if not live:
-                    break
-                t0, rows, released = time.perf_counter(), 0, []
-                for i, g in live:
-                    if g.aborted:
-                        raise RequestAborted(f"request {g.request.request_id} was aborted")
-                    rows += self._step(g)
-                    deltas = [d for seq in g.seqs for d in self._release(i, g, seq, k, holds[i])]
-                    if deltas:
-                        released.append(deltas)
+            while self._step_all(groups, steps, on_step):
                 steps += 1
-                self.num_steps += 1
-                if self.step_observer is not None:
-                    self.step_observer(time.perf_counter() - t0, rows)
                 for deltas in released:
                     record.deltas += deltas
                     yield deltas
+                released.clear()
                 await asyncio.sleep(self.step_delay)
             record.finished = True
-            yield StreamEnd([len(g.request.prompt_ids) for g in groups],
-                            [sum(len(s.token_ids) for s in g.seqs) for g in groups])
+            yield StreamEnd([g.num_prompt_tokens for g in groups],
+                            [sum(len(s.token_ids) for s in g.sequences) for g in groups])
         finally:
             record.closed = True
             self.in_flight -= len(groups)
             for g in groups:
                 self._running.remove(g)
 
-    def _release(self, group_index: int, group: _Group, seq: _Seq, k: int, hold: int) -> list[Delta]:
-        """The choice's new deltas after a step, one per released token (engine/streaming.Releaser, which
-        sends them together): while stop strings are set, the last `hold` characters wait; the delta with
-        the finish_reason is the choice's last."""
-        if seq.ended:
-            return []
-        text = seq.text.text
-        start = seq.text.offsets[0] if seq.text.offsets else 0
-        count = len(seq.token_ids)
-        if seq.is_finished:
-            upto = seq.kept
-            chars = len(text) if seq.text_end is None else seq.text_end
-        else:
-            upto, chars = seq.sent_tokens, len(text) - hold
-
-        def end_of(i):  # where token i's text ends in the generated text
-            end = (seq.text.offsets[i + 1] if i + 1 < count else start + len(text)) - start
-            return min(end, chars) if seq.is_finished else end
-
-        if not seq.is_finished:
-            # A token goes out once its text is safe and, while stop strings are set, once it starts before
-            # the held-back characters: a stop string found later cuts at or after them, and drops the
-            # tokens that start at the cut, an empty one (a special token, an unfinished character)
-            # included. (The engine's Releaser checks only the end, so it can send such a token.)
-            stops = bool(group.params.stop)
-            while upto < count and end_of(upto) <= chars and (
-                    not stops or seq.text.offsets[upto] - start < chars):
-                upto += 1
-        deltas = []
-        for i in range(seq.sent_tokens, upto):
-            last = seq.is_finished and i == upto - 1
-            end = chars if last else end_of(i)
-            deltas.append(self._delta(group_index, group, seq, k, i, i + 1, text[seq.sent_chars:end],
-                                      seq.finish_reason.value if last else None))
-            seq.sent_chars = end
-        seq.sent_tokens = upto
-        if seq.is_finished and not deltas:  # nothing left but the ending (and any text the last token finished)
-            deltas.append(self._delta(group_index, group, seq, k, upto, upto, text[seq.sent_chars:chars],
-                                      seq.finish_reason.value))
-            seq.sent_chars = chars
-        elif not deltas and not seq.sent_first:  # the choice's first delta goes out after its first step
-            deltas.append(self._delta(group_index, group, seq, k, upto, upto, "", None))
-        seq.ended = seq.is_finished
-        return deltas
-
-    def _delta(self, group_index, group, seq, k, start, stop, text, finish_reason) -> Delta:
-        ids, lps, top_ids, top_lps = seq.columns(k, start, stop)
-        first = not seq.sent_first
-        seq.sent_first = True
-        return Delta(group_index, seq.index, first, text, ids, lps, top_ids, top_lps,
-                     list(seq.text.offsets[start:stop]), finish_reason, group.prompt_columns if first else None)
-
     def abort(self, request_id: str) -> None:
         """The requests with this id stop before their next step; their run or stream raises
         RequestAborted, as the engine's do."""
         self.aborted.append(request_id)
         for g in self._running:
-            if g.request.request_id == request_id:
-                g.aborted = True
+            if g.request_id == request_id:
+                g.is_aborted = True
 
     def generated(self, request_id: str) -> int:
         """Tokens generated so far by the running requests with this id (the engine's `generated`)."""
-        return sum(len(seq.token_ids) for g in self._running if g.request.request_id == request_id for seq in g.seqs)
+        return sum(len(seq.token_ids) for g in self._running if g.request_id == request_id for seq in g.sequences)
 
     def stats(self) -> dict:
         out = {"in_flight": self.in_flight, "steps": self.num_steps, "kv_cache_bytes": 0, "failing": self.failing,

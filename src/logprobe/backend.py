@@ -196,6 +196,12 @@ class GenerationRequest:
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_ids)
 
+    @property
+    def held_tokens(self) -> int:
+        """What admission holds for this request: (prompt tokens + max_tokens) x n. A request of
+        several prompts holds the sum over them."""
+        return (self.num_prompt_tokens + self.params.max_tokens) * self.params.n
+
 
 # ---- what comes back -----------------------------------------------------------------------------
 

@@ -161,9 +161,32 @@ def test_internal_error_has_no_internals(client, tiny_engine, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("secret internal detail /path/to/file.py")
 
-    monkeypatch.setattr(tiny_engine.runner, "prefill_chunk", boom)
+    monkeypatch.setattr(tiny_engine.runner, "prefill_chunks", boom)
     err = refuse(client, {**BASE, "max_tokens": 1}, status=500)
     assert err["type"] == "server_error" and err["code"] == "internal_error"
     assert "secret" not in err["message"]
     monkeypatch.undo()
     assert client.post("/v1/completions", json={**BASE, "max_tokens": 1}).status_code == 200
+
+
+@pytest.mark.parametrize("escape,column", [(b"\\ud800", 38), (b"\\udfff", 38), (b"\\ud83d\\u0041", 38)])
+@pytest.mark.parametrize("path", ["/v1/completions", "/tokenize"])
+def test_a_lone_surrogate_is_named_not_called_invalid_json(fake_client, path, escape, column):
+    """JSON allows the escape of half a UTF-16 surrogate pair; it is no Unicode character, so it is
+    refused, saying what and where it is, rather than as "not valid JSON"."""
+    raw = b'{"model": "tiny", "prompt": "The sky ' + escape + b' is", "max_tokens": 1}'
+    err = refuse(fake_client, raw=raw, path=path)
+    shown = escape[:6].decode()
+    assert err == {"message": "We could not parse the JSON body of your request: it contains a lone UTF-16 "
+                              f"surrogate ({shown}) at line 1, column {column}, which is not a Unicode character; "
+                              "a surrogate escape must be a high one (\\ud800-\\udbff) followed by a low one "
+                              "(\\udc00-\\udfff). Send the text as valid Unicode.",
+                   "type": "invalid_request_error", "param": None, "code": "invalid_request"}
+
+
+def test_a_surrogate_pair_is_one_character(fake_client):
+    raw = b'{"model": "tiny", "prompt": "smile \\ud83d\\ude42"}'
+    r = fake_client.post("/tokenize", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+    direct = fake_client.post("/tokenize", json={"model": "tiny", "prompt": "smile \U0001F642"}).json()
+    assert r.json()["tokens"] == direct["tokens"]

@@ -20,8 +20,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from logprobe.api import chat, comparing, completions, scoring
 from logprobe.api.app import create_app
+from logprobe.api.schemas import BODIES
 from logprobe.config import Limits
 
 LIMITS = Limits()
@@ -142,18 +142,8 @@ class Spec:
     required: frozenset
 
 
-TOKENIZE_FIELDS = {"model", "prompt", "add_special_tokens"}  # routes.tokenize (no module constant)
-DETOKENIZE_FIELDS = {"model", "tokens"}  # routes.detokenize
-SPECS = {
-    "/v1/completions": Spec(frozenset(completions.COMPLETION_FIELDS), completions.UNIMPLEMENTED_FIELDS,
-                            frozenset({"model", "prompt"})),
-    "/v1/chat/completions": Spec(frozenset(chat.CHAT_FIELDS), chat.UNIMPLEMENTED_FIELDS,
-                                 frozenset({"model", "messages"})),
-    "/v1/score": Spec(frozenset(scoring.SCORE_FIELDS), {}, frozenset({"model", "input"})),
-    "/v1/compare": Spec(frozenset(comparing.COMPARE_FIELDS), {}, frozenset({"models", "input"})),
-    "/tokenize": Spec(frozenset(TOKENIZE_FIELDS), {}, frozenset({"prompt"})),
-    "/detokenize": Spec(frozenset(DETOKENIZE_FIELDS), {}, frozenset({"tokens"})),
-}
+SPECS = {path: Spec(frozenset(model.implemented_fields()), model.neutral_values(), frozenset(model.required_fields()))
+         for path, model in BODIES.items()}
 SKIPPED_PATHS = ("/", "/static")
 
 

@@ -1,5 +1,5 @@
 """Continuous batching: requests that run together give what they give alone, and both runners (the
-batched fast path and transformers' forward) agree with the float64 reference."""
+batched lean runner and transformers' forward) agree with the float64 reference."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def make(engine, prompt, **params):
 @pytest.mark.parametrize("which", ["fast", "hf"])
 def test_runner_matches_reference(which, tiny_engine, hf_engine, reference):
     engine = tiny_engine if which == "fast" else hf_engine
-    assert type(engine.runner).__name__ == ("FastRunner" if which == "fast" else "ModelRunner")
+    assert type(engine.runner).__name__ == ("LeanRunner" if which == "fast" else "ModelRunner")
     groups = [make(engine, p, max_tokens=8, n=n, seed=s, logprobs=3, echo=True)
               for p, n, s in [("Once upon a time", 2, 1), ("x", 1, 2), ("a much longer prompt than the others", 3, 3)]]
     run(engine, groups)
@@ -65,7 +65,7 @@ def test_decode_steps_are_shared(tiny_engine):
 
 
 def test_long_prompt_is_chunked_beside_decoding(tiny_engine, monkeypatch):
-    monkeypatch.setattr(tiny_engine.runner, "PREFILL_CHUNK", 16)
+    monkeypatch.setattr(tiny_engine.scheduler, "prefill_chunk_tokens", 16)
     short = make(tiny_engine, [5, 6, 7], max_tokens=200, temperature=0)
     long = make(tiny_engine, list(range(100, 200)), max_tokens=2, temperature=0, echo=True, logprobs=0)
     seen = []

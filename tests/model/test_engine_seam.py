@@ -42,7 +42,7 @@ def _feed(engine: Engine, tokens: list[int], stop: list[str]):
     for token in tokens:
         seq.token_ids.append(token)
         seq.logprobs.append(0.0)
-        engine._check_stop(seq, group)
+        engine.outputs.check_stop(seq, group)
         delta = releaser.release(0)
         if delta is not None:
             streamed += delta.token_ids.tolist()

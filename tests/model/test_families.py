@@ -1,4 +1,4 @@
-"""Model families of the lean path (engine/families/): tiny random-weight models of each family's own
+"""Model families of the lean runner (engine/families/): tiny random-weight models of each family's own
 transformers class, run through logprobe's Engine and checked against a float64 forward of
 transformers' own implementation of that class (no cache): prompt passes, greedy and sampled generations
 of several groups decoded in one batch, chunked prefill with a chunk boundary inside the sliding window,
@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import torch
 
-from logprobe.engine import fast_runner, int4
+from logprobe.engine import int4, lean
 from logprobe.engine.engine import Engine
 from logprobe.engine.families import family_of
 from logprobe.engine.request import SamplingParams, SequenceGroup
@@ -89,7 +89,7 @@ def build(kind: str, vocab: int, seed: int = 0):
 
 
 LEAN = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gemma3": "gemma3", "qwen3": "qwen3", "phi3": "phi3"}
-FALLBACK = {"gpt2": "no lean-path family claims", "gemma3-softcap": "attention logit softcapping",
+FALLBACK = {"gpt2": "no lean-runner family claims", "gemma3-softcap": "attention logit softcapping",
             "phi3-partial": "partial rotary", "phi3-longrope": "longrope"}
 
 
@@ -175,7 +175,7 @@ def test_family_runs_on_the_lean_path(kind, models, tokenizer):
     with torch.inference_mode():
         logits = engine.model(torch.tensor([ids])).logits[0]
     assert note(kind, torch.log_softmax(logits.double(), -1).numpy(), reference.logprobs(ids).numpy()) < TOL
-    assert isinstance(engine.runner, fast_runner.FastRunner) and engine.runner.family.name == LEAN[kind]
+    assert isinstance(engine.runner, lean.LeanRunner) and engine.runner.family.name == LEAN[kind]
     windows = engine.runner.windows
     types = getattr(engine.model.config, "layer_types", None)
     if kind == "llama":
@@ -196,8 +196,8 @@ def test_other_models_run_on_transformers(kind, models, tokenizer, caplog):
         engine = Engine(copy.deepcopy(model), tokenizer, f"test/{kind}")
     assert engine.info.runner == "transformers" and type(engine.runner).__name__ == "ModelRunner"
     assert any(FALLBACK[kind] in r.getMessage() for r in caplog.records)  # the reason is logged
-    with pytest.raises(ValueError, match="lean path cannot run"):
-        fast_runner.FastRunner(copy.deepcopy(model))
+    with pytest.raises(ValueError, match="lean runner cannot run"):
+        lean.LeanRunner(copy.deepcopy(model))
 
 
 # ---- the same checks on both paths ------------------------------------------------------------------
@@ -207,7 +207,7 @@ ALL = list(LEAN) + list(FALLBACK)
 @pytest.mark.parametrize("kind", ALL)
 def test_prompt_passes(kind, models, tokenizer):
     """Prompt-only groups (echo scoring, prompt_logprobs) of lengths either side of the window, in one
-    batch (the lean path's padded pass), and alone."""
+    batch (the lean runner's padded pass), and alone."""
     engine, reference = engine_for(kind, models, tokenizer)
     engine.start()
     try:
@@ -225,7 +225,7 @@ def test_prompt_passes(kind, models, tokenizer):
 def test_batched_decode_of_several_groups(kind, models, tokenizer, monkeypatch):
     """Greedy and sampled (n = 2) groups of different prompt lengths decoded together: rows at different
     positions (the length mask and the window mask), crossing the window while decoding; the prompts,
-    arriving together, are prefilled in one packed pass on the lean path."""
+    arriving together, are prefilled in one packed pass on the lean runner."""
     engine, reference = engine_for(kind, models, tokenizer)
     packed = []
     real = engine.runner.prefill_chunks
@@ -245,7 +245,7 @@ def test_batched_decode_of_several_groups(kind, models, tokenizer, monkeypatch):
         if engine.info.runner == "lean":
             assert max(packed) >= 2  # prompts packed into one pass
             assert steps <= 1 + 18 + 1  # one prefill step, then shared decode steps
-        # alone: every row in step (the lean path reads just the window's keys, no mask)
+        # alone: every row in step (the lean runner reads just the window's keys, no mask)
         g, = run(engine, [make(engine, prompt(8), max_tokens=2 * WINDOW, temperature=0, logprobs=2)])
         check_sequences(kind, g, reference, k=2)
     finally:
@@ -256,10 +256,10 @@ def test_batched_decode_of_several_groups(kind, models, tokenizer, monkeypatch):
 def test_chunked_prefill_across_the_window(kind, models, tokenizer, monkeypatch):
     """A 40-token prompt prefilled in chunks of 5 (boundaries at 10 and 15 sit inside a 12-token window of
     later queries) beside a decoding request; its prompt log probabilities and generation against the
-    reference. On the lean path the chunks are checked to have happened."""
+    reference. On the lean runner the chunks are checked to have happened."""
     engine, reference = engine_for(kind, models, tokenizer)
     if engine.info.runner == "lean":
-        monkeypatch.setattr(engine.runner, "PREFILL_CHUNK", 5)
+        monkeypatch.setattr(engine.scheduler, "prefill_chunk_tokens", 5)
     budgets = []
     real = engine.runner.prefill_chunks
     monkeypatch.setattr(engine.runner, "prefill_chunks",
@@ -293,13 +293,13 @@ def test_chunks_and_packed_prefill_directly(kind, models, tokenizer):
     engine, reference = engine_for(kind, models, tokenizer)
     runner = engine.runner
     g = make(engine, prompt(40), max_tokens=1, prompt_logprobs=2)
-    lsm, steps = None, 0
-    while lsm is None:
-        lsm = runner.prefill_chunk(g, 7)
+    logprobs, steps = None, 0
+    while logprobs is None:
+        logprobs = runner.prefill_chunk(g, 7)
         steps += 1
     assert steps == 6
     ref = check_prompt_columns(kind, g, reference, k=2)
-    assert note(kind, lsm[0].numpy(), ref[-1]) < TOL
+    assert note(kind, logprobs[0].numpy(), ref[-1]) < TOL
     runner.release(g)
 
     groups = [make(engine, prompt(n), max_tokens=1, prompt_logprobs=1) for n in (6, 19, 40)]
@@ -307,9 +307,9 @@ def test_chunks_and_packed_prefill_directly(kind, models, tokenizer):
     assert out[2] is None and runner.prefill_progress(groups[2]) == 23
     while out[2] is None:
         out[2] = runner.prefill_chunk(groups[2], 8)
-    for g, lsm in zip(groups, out):
+    for g, logprobs in zip(groups, out):
         ref = check_prompt_columns(kind, g, reference, k=1)
-        assert note(kind, lsm[0].numpy(), ref[-1]) < TOL
+        assert note(kind, logprobs[0].numpy(), ref[-1]) < TOL
         runner.release(g)
 
 
@@ -319,7 +319,7 @@ def test_bfloat16(kind, models, tokenizer, monkeypatch):
     give the plain product's numbers, and both stay within bfloat16's error of the float64 reference."""
     model, reference = models(kind)
     engines = {"packed": Engine(copy.deepcopy(model).to(torch.bfloat16), tokenizer, "packed")}
-    monkeypatch.setattr(fast_runner, "packing_works", lambda dtype, device: False)
+    monkeypatch.setattr(lean.runner, "packing_works", lambda dtype, device: False)
     engines["plain"] = Engine(copy.deepcopy(model).to(torch.bfloat16), tokenizer, "plain")
     assert not engines["plain"].runner.packed
     assert engines["packed"].info.runner == engines["plain"].info.runner == "lean"
@@ -351,7 +351,7 @@ def reference_activations(reference, ids, layers):
 
 @pytest.mark.parametrize("kind", list(LEAN))
 def test_activations_on_the_lean_path(kind, models, tokenizer):
-    """The lean path reads the residual stream itself (entering block 0, leaving each block, before the
+    """The lean runner reads the residual stream itself (entering block 0, leaving each block, before the
     final norm), past a sliding window, as transformers' float64 forward gives it."""
     engine, reference = engine_for(kind, models, tokenizer)
     num_layers = engine.info.num_layers
@@ -376,7 +376,7 @@ def test_bfloat16_keeps_each_weight_once(kind, models, tokenizer, monkeypatch):
     if not engine.runner.packed:
         pytest.skip("no oneDNN packing for bfloat16 on this CPU")
     with monkeypatch.context() as m:
-        m.setattr(fast_runner.FastRunner, "RELEASE_PACKED", False)
+        m.setattr(lean.LeanRunner, "RELEASE_PACKED", False)
         kept = Engine(copy.deepcopy(model).to(torch.bfloat16), tokenizer, "kept")
     layers = engine.model.get_decoder().layers
     linears = [mod for mod in layers.modules() if isinstance(mod, torch.nn.Linear)]
@@ -384,15 +384,15 @@ def test_bfloat16_keeps_each_weight_once(kind, models, tokenizer, monkeypatch):
     tied = kept.model.get_output_embeddings().weight is kept.model.get_input_embeddings().weight
     head = engine.model.get_output_embeddings().weight
     assert head is engine.model.get_input_embeddings().weight if tied else head.numel() == 0
-    assert engine.model.get_input_embeddings().weight.numel() > 0  # the lean path embeds with it
+    assert engine.model.get_input_embeddings().weight.numel() > 0  # the lean runner embeds with it
     # what the engine holds: the packed projections and head, the embedding, the norms; once each
     held = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     held += sum(lin.packed.numel() * lin.packed.element_size()
-                for block in engine.runner.blocks for lin in block[:4]) + engine.runner.head.packed.nbytes
+                for block in engine.runner.blocks for lin in block.linears) + engine.runner.head.packed.nbytes
     weights = sum(p.numel() * p.element_size() for p in kept.model.parameters())
     extra = engine.runner.head.packed.nbytes if tied else 0  # a tied head's packed copy
     assert held <= weights + extra + 1024
-    blocks = sum(lin.packed.nbytes for block in kept.runner.blocks for lin in block[:4])
+    blocks = sum(lin.packed.nbytes for block in kept.runner.blocks for lin in block.linears)
     kept_held = weights + blocks + kept.runner.head.packed.nbytes
     assert held < kept_held - 0.9 * blocks  # the blocks' own copies are gone
     num_layers = engine.info.num_layers

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from logprobe.engine import fast_runner, int4, loader
+from logprobe.engine import int4, lean, loader
 from logprobe.engine.engine import Engine
 from logprobe.engine.request import SamplingParams, SequenceGroup
 
@@ -84,12 +84,12 @@ def test_int4_product_against_float64():
 
 
 # ---- bfloat16: packed weights give the plain product's numbers --------------------------------------
-@pytest.mark.skipif(not fast_runner.packing_works(torch.bfloat16, torch.device("cpu")),
+@pytest.mark.skipif(not lean.packing_works(torch.bfloat16, torch.device("cpu")),
                     reason="no oneDNN weight packing for bfloat16 here")
 def test_packed_bfloat16_equals_plain(tiny_model, tokenizer, reference, monkeypatch):
     model = copy.deepcopy(tiny_model).to(torch.bfloat16)
     packed = Engine(model, tokenizer, "packed")
-    monkeypatch.setattr(fast_runner, "packing_works", lambda dtype, device: False)
+    monkeypatch.setattr(lean.runner, "packing_works", lambda dtype, device: False)
     plain = Engine(copy.deepcopy(tiny_model).to(torch.bfloat16), tokenizer, "plain")
     assert packed.runner.packed and not plain.runner.packed
     for engine in (packed, plain):
@@ -115,7 +115,7 @@ def test_prompt_only_batch_of_unequal_lengths(tiny_model, tokenizer, reference):
     """One padded pass of the lean runner for four prompts of different lengths (called directly, so
     that the batch is exactly these four), checked against the float64 reference."""
     engine = Engine(copy.deepcopy(tiny_model), tokenizer, "padded")  # not started: the runner is ours
-    assert isinstance(engine.runner, fast_runner.FastRunner)
+    assert isinstance(engine.runner, lean.LeanRunner)
     prompts = [[1, 5, 9, 20, 33, 34, 35], [1, 7], [1, 40, 41, 42], list(range(3, 60))]
     groups = [make(engine, p, max_tokens=0, echo=True, logprobs=4) for p in prompts]
     engine.runner.prefill_batch(groups)
@@ -188,7 +188,7 @@ def test_int4_loading_refuses_weights_off_grid(tiny_model, tokenizer, tmp_path):
 def test_int4_needs_a_supported_model(tokenizer, tiny_model_factory):
     model = tiny_model_factory(len(tokenizer))
     model.logprobe_int4 = {}
-    with pytest.raises(ValueError, match="fast path"):
+    with pytest.raises(ValueError, match="lean runner"):
         Engine(model, tokenizer, "x", fast=False)
 
 
@@ -225,7 +225,7 @@ def test_bundled_model_int4_against_float32(tokenizer):
 @pytest.mark.parametrize("static", [False, True])
 def test_masks_are_made_additive_once_with_the_boolean_masks_numbers(static, tokenizer, monkeypatch):
     """SDPA turns a boolean mask into an additive one on every call, once per layer (a kernel per
-    layer on a GPU, inside the recorded decode step too); the lean path hands it the additive masks,
+    layer on a GPU, inside the recorded decode step too); the lean runner hands it the additive masks,
     made once per pass. Every masked pass (chunked prompts, prompts sharing a prefix, batched chunks
     beside decoding rows, decode rows at different lengths, the fixed-shape step, sliding windows)
     must give the numbers the boolean masks give, bit for bit."""
@@ -243,7 +243,7 @@ def test_masks_are_made_additive_once_with_the_boolean_masks_numbers(static, tok
 
     def workload(engine):
         engine.runner.static_decode = static
-        engine.runner.PREFILL_CHUNK = 7  # long prompts arrive in chunks, beside decoding rows
+        engine.scheduler.prefill_chunk_tokens = 7  # long prompts arrive in chunks, beside decoding rows
         shared = engine.tokenizer("A long shared context about rivers and the stones in them, twice over").input_ids
         groups = [make(engine, ids, max_tokens=m, temperature=t, seed=3, n=n, logprobs=2)
                   for ids, m, t, n in [([1, 5], 14, 0.0, 1), (list(range(40, 71)), 9, 1.0, 2),
@@ -265,7 +265,7 @@ def test_masks_are_made_additive_once_with_the_boolean_masks_numbers(static, tok
     assert masked and set(masked) == {torch.float32}, set(masked)  # no boolean mask reaches SDPA
     seen.clear()
     boolean = Engine(model, tokenizer, "boolean", [], kv_cache_positions=16)
-    monkeypatch.setattr(boolean.runner, "_additive", lambda masks: masks)
+    monkeypatch.setattr(boolean.runner.attention, "additive", lambda masks: masks)
     boolean.start()
     try:
         want = workload(boolean)

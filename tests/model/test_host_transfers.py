@@ -90,12 +90,12 @@ def test_the_count_sees_a_transfer_per_row(tiny_model, tokenizer, monkeypatch):
     """The counter is not blind: a per-row read of the log probabilities (what the engine once did)
     makes the count grow with the batch."""
     engine = Engine(tiny_model, tokenizer, "tiny", [])
-    original = Engine._postprocess
+    original = Engine._decoded
 
-    def per_row(self, group, lsm, pick):
-        for row in range(lsm.shape[0]):
-            float(lsm[row, 0])
-        return original(self, group, lsm, pick)
+    def per_row(self, group, logprob_rows, pick):
+        for row in range(logprob_rows.shape[0]):
+            float(logprob_rows[row, 0])
+        return original(self, group, logprob_rows, pick)
 
-    monkeypatch.setattr(Engine, "_postprocess", per_row)
+    monkeypatch.setattr(Engine, "_decoded", per_row)
     assert len(decode_step_transfers(engine, 4)) > len(decode_step_transfers(engine, 1))

@@ -1,4 +1,4 @@
-"""The lean path's KV cache in size classes (engine/kv_cache.py): its memory follows the positions held,
+"""The lean runner's KV cache in size classes (engine/kv_cache.py): its memory follows the positions held,
 and rows moving into larger classes, or leaving theirs, change no number.
 
 Engines here run step by step on the test's own thread (`drive`: the engine's `step`, as its loop calls

@@ -105,9 +105,9 @@ def test_int4_on_fused_projections_is_refused_clearly(monkeypatch):
 
     model = Phi3ForCausalLM(Phi3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                        num_attention_heads=2, num_key_value_heads=2, pad_token_id=0))
-    from logprobe.engine import fast_runner, int4
+    from logprobe.engine import int4, lean
 
-    assert fast_runner.supports(model)
+    assert lean.supports(model)
     if not int4.available():
         pytest.skip("no CPU int4 kernel in this torch")
     with pytest.raises(loader.ModelLoadError, match="fused"):

@@ -31,7 +31,7 @@ def long_model(tiny_model_factory, tokenizer):
 @pytest.fixture(scope="module")
 def long_engine(long_model, tokenizer):
     engine = Engine(long_model, tokenizer, "test/long", ["long"])
-    assert type(engine.runner).__name__ == "FastRunner"
+    assert type(engine.runner).__name__ == "LeanRunner"
     engine.start()
     yield engine
     engine.stop()

@@ -115,7 +115,7 @@ def test_a_bound_of_zero_turns_it_off():
         PrefixCache(-1)
 
 
-# ---- through the lean path -------------------------------------------------------------------------
+# ---- through the lean runner -----------------------------------------------------------------------
 SETTINGS = [dict(max_tokens=0, prompt_logprobs=3, echo=True), dict(max_tokens=0, prompt_logprobs=-1),
             dict(max_tokens=0, prompt_logprobs=2, logprob_token_ids=[5, 9, 100], position_stats=True,
                  top_logprobs_p=0.5)]
@@ -141,21 +141,21 @@ def columns(engine, prompts, params, interventions=()):
 def counting(engine, monkeypatch) -> dict:
     """Count the tokens (real and padded) the passes of the blocks run."""
     counted = {"tokens": 0}
-    run = engine.runner._run
+    forward = engine.runner.forward
 
-    def counted_run(ids, positions, attend, **kwargs):
+    def counted_forward(ids, meta, **kwargs):
         counted["tokens"] += ids.numel()
-        return run(ids, positions, attend, **kwargs)
+        return forward(ids, meta, **kwargs)
 
-    monkeypatch.setattr(engine.runner, "_run", counted_run)
+    monkeypatch.setattr(engine.runner, "forward", counted_forward)
     return counted
 
 
 def spying(engine, monkeypatch) -> list:
-    """The clusters each call of `_prefill_shared` gets."""
+    """The clusters each call of `PromptBatches.run_shared` gets."""
     ran = []
-    shared = engine.runner._prefill_shared
-    monkeypatch.setattr(engine.runner, "_prefill_shared",
+    shared = engine.runner.prompt_batches.run_shared
+    monkeypatch.setattr(engine.runner.prompt_batches, "run_shared",
                         lambda groups, clusters: ran.append(clusters) or shared(groups, clusters))
     return ran
 

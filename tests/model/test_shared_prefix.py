@@ -1,5 +1,5 @@
 """Prompt-only prompts that begin with the same tokens (a context and its continuations, as in a
-multiple-choice question) share that prefix's pass (fast_runner._prefill_shared): their columns must be
+multiple-choice question) share that prefix's pass (lean.prompt_batch.PromptBatches.run_shared): their columns must be
 what each prompt's own pass gives, and the float64 reference's, with sliding windows crossed inside the
 prefix and after it, beside prompts that share nothing."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from logprobe.engine.engine import Engine
-from logprobe.engine.fast_runner import shared_prefixes
+from logprobe.engine.lean import shared_prefixes
 from logprobe.engine.request import SamplingParams, SequenceGroup
 from test_families import build
 
@@ -44,15 +44,15 @@ def test_shared_prefix_columns_equal_their_own_pass_and_the_reference(kind, toke
                for a in ("the dolphin", "a cow", "the small brown horse that runs", "fish")]
     prompts += [tokenizer("Something else entirely, with no context in common at all").input_ids]
     ran = []
-    shared = engine.runner._prefill_shared
-    engine.runner._prefill_shared = lambda groups, clusters: ran.append(clusters) or shared(groups, clusters)
+    shared = engine.runner.prompt_batches.run_shared
+    engine.runner.prompt_batches.run_shared = lambda groups, clusters: ran.append(clusters) or shared(groups, clusters)
     for params in (dict(max_tokens=0, prompt_logprobs=3, echo=True), dict(max_tokens=0, prompt_logprobs=-1),
                    dict(max_tokens=0, prompt_logprobs=2, logprob_token_ids=[5, 9, 100], position_stats=True)):
         together = columns(engine, prompts, params)
         assert ran and ran[-1][0][0] == len(ctx) and sorted(ran[-1][0][1]) == [0, 1, 2, 3]
-        engine.runner.SHARED_PREFIX_MIN = 10**9  # each prompt its own pass
+        engine.runner.prompt_batches.SHARED_PREFIX_MIN = 10**9  # each prompt its own pass
         alone = columns(engine, prompts, params)
-        del engine.runner.SHARED_PREFIX_MIN
+        del engine.runner.prompt_batches.SHARED_PREFIX_MIN
         reference = reference_of(model)
         for ids, a, b in zip(prompts, together, alone):
             assert np.allclose(a.logprobs[1:], b.logprobs[1:], atol=TOL)

@@ -1,4 +1,4 @@
-"""The fixed-shape decode step (fast_runner.FastRunner._decode_static): what a GPU records once as a CUDA
+"""The fixed-shape decode step (lean.fixed_shape.FixedShapeSteps.run): what a GPU records once as a CUDA
 graph and replays, run here eagerly on the CPU. It pads the batch to a power of two (padding rows
 write into unused slots) and attends over the slab's whole capacity with a length mask (and each
 sliding window's band) instead of the positions held so far. Its answers must be the eager path's,
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from logprobe.engine import fast_runner
+from logprobe.engine.lean import fixed_shape
 from logprobe.engine.engine import Engine
 from logprobe.engine.request import SamplingParams, SequenceGroup
 from test_families import build
@@ -58,16 +58,16 @@ def test_the_fixed_shape_step_answers_as_the_eager_one(kind, tokenizer, referenc
     assert not eager.runner.static_decode  # the CPU's default
     static.runner.static_decode = True
     passes = []
-    original = static.runner._static_pass
-    static.runner._static_pass = lambda k, v, ids, *rest: passes.append(ids.shape[0]) or original(k, v, ids, *rest)
+    original = static.runner.fixed_shape.decode_pass
+    static.runner.fixed_shape.decode_pass = lambda k, v, ids, *rest: passes.append(ids.shape[0]) or original(k, v, ids, *rest)
     made = []
 
-    class Counted(fast_runner.StaticStep):
+    class Counted(fixed_shape.StaticStep):
         def __init__(self, *args):
             made.append(1)
             super().__init__(*args)
 
-    monkeypatch.setattr(fast_runner, "StaticStep", Counted)
+    monkeypatch.setattr(fixed_shape, "StaticStep", Counted)
     eager_steps = []
     original_eager = static.runner._decode_eager
     static.runner._decode_eager = lambda *args: eager_steps.append(1) or original_eager(*args)
@@ -91,9 +91,9 @@ def test_the_fixed_shape_step_answers_as_the_eager_one(kind, tokenizer, referenc
     # slab holds other tensors: a kept step runs over the tensors it was made on, so one kept past a
     # change of its slab would have given wrong numbers above. Fewer steps were made than passes ran.
     assert len(made) < len(passes)
-    assert all(step.holds(static.runner.cache) for step in static.runner.graphs.values())
+    assert all(step.holds(static.runner.cache) for step in static.runner.fixed_shape.graphs.values())
     static.runner.on_idle()
-    assert not static.runner.graphs
+    assert not static.runner.fixed_shape.graphs
     assert static.runner.cache.is_consistent()
 
 
@@ -111,10 +111,10 @@ def test_the_fixed_shape_step_picks_the_tokens_the_engine_would(kind, tokenizer,
              dict(temperature=0.7, seed=9), dict(temperature=0.0), dict(temperature=1.3, seed=5, logprobs=5)]
     prompts = ["a b", "The quick brown fox jumps", "One two three four five six"]
     picked, pickings = [], []
-    original_pick, original_pass = static.runner.decode_and_pick, static.runner._static_pass
+    original_pick, original_pass = static.runner.decode_and_pick, static.runner.fixed_shape.decode_pass
     static.runner.decode_and_pick = lambda groups, k: (lambda out: picked.append(out[1] is not None) or out)(
         original_pick(groups, k))
-    static.runner._static_pass = lambda *args: pickings.append(args[5]) or original_pass(*args)  # (k, sampled)
+    static.runner.fixed_shape.decode_pass = lambda *args: pickings.append(args[5]) or original_pass(*args)  # (k, sampled)
 
     def groups_for(engine, settings):
         return [SequenceGroup(f"g{i}", engine.tokenizer(prompts[i % 3]).input_ids,
@@ -166,12 +166,12 @@ def test_the_step_attends_over_the_span_its_rows_need(kind, tokenizer, reference
     static.runner.static_decode = True
     made = []
 
-    class Recorded(fast_runner.StaticStep):
-        def __init__(self, runner, slab, batch, picking=None, span=None):
+    class Recorded(fixed_shape.StaticStep):
+        def __init__(self, steps, slab, batch, picking=None, span=None):
             made.append((slab.capacity, span))
-            super().__init__(runner, slab, batch, picking, span)
+            super().__init__(steps, slab, batch, picking, span)
 
-    monkeypatch.setattr(fast_runner, "StaticStep", Recorded)
+    monkeypatch.setattr(fixed_shape, "StaticStep", Recorded)
     prompt = list(range(20, 37))  # 17 tokens: the class of 32 positions, 18 held after the first step
     params = dict(max_tokens=44, temperature=0.8, seed=3, n=3, logprobs=2)
     for engine in (eager, static):
@@ -240,9 +240,9 @@ def test_random_mixes_over_rounds_answer_as_the_eager_engine(tokenizer):
         original(groups, k))
     by_group = static.runner._by_group
 
-    def spy(orders, lsm):  # whether a group's rows sit out of their order in the batch
+    def spy(orders, logprobs):  # whether a group's rows sit out of their order in the batch
         scattered.append(any(order != list(range(order[0], order[0] + len(order))) for order in orders if order))
-        return by_group(orders, lsm)
+        return by_group(orders, logprobs)
 
     static.runner._by_group = spy
 
@@ -292,7 +292,7 @@ def _cpp_compiler() -> bool:
         return False
 
 
-COMPILE_TESTED = torch.__version__ >= fast_runner.COMPILE_MIN_TORCH
+COMPILE_TESTED = torch.__version__ >= fixed_shape.COMPILE_MIN_TORCH
 needs_compile_torch = pytest.mark.skipif(
     not COMPILE_TESTED, reason=f"compile_step refuses torch {torch.__version__} "
                                "(test_compile_step_refuses_an_untested_torch checks that)")
@@ -308,15 +308,15 @@ def test_compile_step_refuses_an_untested_torch(tiny_model, tokenizer, monkeypat
     monkeypatch.setattr(torch, "__version__", torch.torch_version.TorchVersion(version))
     if refused:
         with pytest.raises(RuntimeError, match=rf"needs torch >= 2\.12.*this is torch {re.escape(version)}"):
-            engine.runner.compile_step = "aot_eager"
-        assert engine.runner.compile_step is None
+            engine.runner.fixed_shape.compile_step = "aot_eager"
+        assert engine.runner.fixed_shape.compile_step is None
     else:
-        engine.runner.compile_step = "aot_eager"
-        assert engine.runner.compile_step == "aot_eager"
+        engine.runner.fixed_shape.compile_step = "aot_eager"
+        assert engine.runner.fixed_shape.compile_step == "aot_eager"
     monkeypatch.undo()
     if not COMPILE_TESTED:  # the real torch of this environment
         with pytest.raises(RuntimeError, match=re.escape(f"this is torch {torch.__version__}")):
-            engine.runner.compile_step = "aot_eager"
+            engine.runner.fixed_shape.compile_step = "aot_eager"
 
 
 @needs_compile_torch
@@ -337,7 +337,7 @@ def test_the_compiled_fixed_shape_step_answers_as_the_plain_one(kind, backend, t
     compiled = Engine(model, tokenizer, "compiled", [], kv_cache_positions=8)
     for engine in (plain, compiled):
         engine.runner.static_decode = True
-    compiled.runner.compile_step = backend
+    compiled.runner.fixed_shape.compile_step = backend
     traced = []
     real = torch.compile
 

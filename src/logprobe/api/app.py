@@ -22,8 +22,9 @@ from ..config import AdmissionSettings, Limits
 from .admission import Admission
 from .errors import APIError, InternalError, InvalidAPIKey, Unavailable, error_response, new_request_id
 from .metrics import Metrics
-from .schema import add_request_bodies
-from .routes import ClientGone, router
+from .holding import ClientGone
+from .routes import router
+from .schemas import add_request_bodies
 
 log = logging.getLogger("logprobe.api")
 access_log = logging.getLogger("logprobe.access")

@@ -19,32 +19,13 @@ from ..config import Limits
 from ..backend import GenerationOutput, GenerationRequest, SamplingParams
 from ..output.instruments import chat_tops_with_token
 from ..output.logprobs import TokenNamer, chat_logprobs_content
-from . import validation as v
-from .common import (ResidualRequest, check_request_caps, check_text_length, instrument_blocks, parse_shared,
-                     prompt_logprobs_parts, residual_layers, residual_of, lens_of, unmodified_of)
+from .caps import check_request_caps, check_text_length
 from .errors import InvalidRequest
+from .output_blocks import (Parts, instrument_blocks, lens_of, prompt_logprobs_parts, residual_layers, residual_of,
+                            unmodified_of)
+from .schemas import ChatBody
+from .schemas.sampling import ResidualRequest
 from .streaming import sse
-
-CHAT_FIELDS = {
-    "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream",
-    "stream_options", "stop", "seed", "logprobs", "top_logprobs", "user",
-    # logprobe / vLLM extensions
-    "top_k", "prompt_logprobs", "vocab_encoding", "output_residual_stream", "output_lens", "return_tokens_as_token_ids",
-    "logprob_token_ids", "position_stats", "top_logprobs_p", "logprobs_mode", "interventions", "return_unmodified",
-}
-UNIMPLEMENTED_FIELDS = {
-    "frequency_penalty": (None, 0),
-    "presence_penalty": (None, 0),
-    "logit_bias": (None, {}),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None, False),
-    "response_format": (None, {"type": "text"}),
-    "store": (None, False),
-    "metadata": (None, {}),
-    "service_tier": (None, "auto"),
-}
-ROLES = ("system", "user", "assistant")
 
 
 @dataclass
@@ -62,58 +43,19 @@ class ChatRequest:
     max_tokens_field: str = "max_completion_tokens"  # the name the client used
 
 
-def parse_messages(value) -> list[dict]:
-    if value is None:
-        raise InvalidRequest("Missing required parameter: 'messages'.", "messages")
-    if not isinstance(value, list) or not value:
-        raise InvalidRequest("Invalid value for 'messages': expected a non-empty array of messages.", "messages")
-    out = []
-    for i, msg in enumerate(value):
-        where = f"messages[{i}]"
-        if not isinstance(msg, dict):
-            raise InvalidRequest(f"Invalid type for '{where}': expected an object.", "messages")
-        role, content = msg.get("role"), msg.get("content")
-        if role not in ROLES:
-            raise InvalidRequest(f"Invalid value for '{where}.role': expected one of {', '.join(ROLES)}.",
-                                 "messages")
-        extra = set(msg) - {"role", "content", "name"}
-        if extra:
-            raise InvalidRequest(f"Unrecognized request argument supplied: {where}.{sorted(extra)[0]}", "messages")
-        if isinstance(content, list):  # OpenAI content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise InvalidRequest(f"Invalid value for '{where}.content': only text parts are supported.",
-                                     "messages")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise InvalidRequest(f"Invalid type for '{where}.content': expected a string.", "messages")
-        out.append({"role": role, "content": content})
-    return out
-
-
-def parse_chat(body: dict, limits: Limits) -> ChatRequest:
-    v.check_known_fields(body, CHAT_FIELDS, UNIMPLEMENTED_FIELDS)
-    model = v.get_str(body, "model", required=True)
-    messages = parse_messages(body.get("messages"))
-    max_tokens = v.get_int(body, "max_completion_tokens", None, ge=0, le=None)  # the context bounds it
-    max_tokens_field = "max_completion_tokens"
+def parse(body: dict, limits: Limits) -> ChatRequest:
+    req = ChatBody.parse(body, limits)
+    max_tokens, max_tokens_field = req.max_completion_tokens, "max_completion_tokens"
     if max_tokens is None:
-        max_tokens = v.get_int(body, "max_tokens", None, ge=0, le=None)
-        max_tokens_field = "max_tokens"
-    logprobs = v.get_bool(body, "logprobs", False)
-    top = v.get_int(body, "top_logprobs", None, ge=0, le=limits.max_logprobs)
-    if top is not None and not logprobs:
-        raise InvalidRequest("Invalid value for 'top_logprobs': 'logprobs' must be true when 'top_logprobs' "
-                             "is set.", "top_logprobs")
-    shared = parse_shared(body, limits)
-    params = SamplingParams(max_tokens=max_tokens or 0, logprobs=(top or 0) if logprobs else None,
-                            **shared.sampling)
-    return ChatRequest(model, messages, params, max_tokens, params.logprobs, shared.stream,
-                       shared.include_usage, shared.return_tokens_as_token_ids, shared.vocab_encoding,
-                       shared.residual, max_tokens_field)
+        max_tokens, max_tokens_field = req.max_tokens, "max_tokens"
+    params = SamplingParams(max_tokens=max_tokens or 0, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                            **req.sampling_kwargs(limits))
+    return ChatRequest(req.model, req.messages, params, max_tokens, params.logprobs, req.stream, req.include_usage,
+                       req.return_tokens_as_token_ids, req.vocab_encoding, req.output_residual_stream,
+                       max_tokens_field)
 
 
-def render_prompt(backend, req: ChatRequest) -> list[int]:
+def tokenize(backend, req: ChatRequest) -> list[int]:
     """The templated conversation's token ids, ending with the assistant's turn opening."""
     tok = backend.tokenizer
     if not backend.info.has_chat_template:
@@ -138,10 +80,10 @@ def check_caps(backend, req: ChatRequest, ids: list[int], limits: Limits) -> Non
                        max_tokens_param=req.max_tokens_field if req.max_tokens is not None else "messages")
 
 
-def build_request(backend, req: ChatRequest, ids: list[int], request_id: str) -> GenerationRequest:
+def build_requests(backend, req: ChatRequest, ids: list[int], request_id: str) -> list[GenerationRequest]:
     params = SamplingParams(**{**req.params.__dict__, "stop_token_ids": backend.info.stop_token_ids,
                                "residual_layers": residual_layers(backend, req.residual)})
-    return GenerationRequest(request_id, ids, params)
+    return [GenerationRequest(request_id, ids, params)]
 
 
 def _ends_with_stop_token(backend, ids, finish_reason) -> bool:
@@ -177,7 +119,10 @@ def choice_logprobs(backend, req: ChatRequest, namer, seq, processed: bool) -> d
     return {"content": content, "refusal": None}
 
 
-def format_response(backend, req: ChatRequest, request: GenerationRequest, out: GenerationOutput, parts) -> dict:
+def format_response(backend, req: ChatRequest, ids: list[int], requests: list[GenerationRequest],
+                    outputs: list[GenerationOutput]) -> tuple[dict, Parts]:
+    """The chat completion as (JSON-ready dict, parts), as completions.format_response."""
+    (request,), (out,), parts = requests, outputs, Parts()
     namer = TokenNamer(backend.table.strings, req.return_tokens_as_token_ids)
     params = req.params
     choices, completion_tokens = [], 0
@@ -209,10 +154,10 @@ def format_response(backend, req: ChatRequest, request: GenerationRequest, out: 
     if params.prompt_logprobs is not None:
         prompt_ids = np.asarray(request.prompt_ids, dtype=np.int64)
         body["prompt_logprobs"] = parts.add(prompt_logprobs_parts(backend, req, prompt_ids, out.prompt_columns))
-    return body
+    return body, parts
 
 
-def stream_formatters(backend, req: ChatRequest):
+def stream_formatters(backend, req: ChatRequest, ids: list[int], requests: list[GenerationRequest]):
     """(format_deltas, final_chunks) for chat streaming: `chat.completion.chunk`s whose `delta` carries
     the role first, then content, with `logprobs.content` for exactly the chunk's tokens."""
     namer = TokenNamer(backend.table.strings, req.return_tokens_as_token_ids)

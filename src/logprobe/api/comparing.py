@@ -20,11 +20,10 @@ from ..config import Limits
 from ..output.divergence import divergences, mean_or_none
 from ..output.logprobs import NEG_INF_WIRE, TokenNamer, wire_floats
 from ..tokens import TextAssembler
-from . import validation as v
-from .common import check_request_caps, check_text_length
+from .caps import check_request_caps, check_text_length
 from .errors import APIError, InvalidRequest
+from .schemas import CompareBody
 
-COMPARE_FIELDS = {"models", "input", "context", "add_special_tokens", "return_tokens_as_token_ids", "stream", "user"}
 INF_WIRE = 9999.0  # a divergence of 9999 nats or more, infinite included (as the API writes -inf: -9999.0)
 
 
@@ -43,47 +42,25 @@ class CompareItem:
     first: int  # index of the input's first token in token_ids
 
 
-def parse_compare(body: dict) -> CompareRequest:
-    if "model" in body and "models" not in body:
-        raise InvalidRequest("/v1/compare takes 'models', the two models to compare (an array of two names), "
-                             "not 'model'.", "model")
-    v.check_known_fields(body, COMPARE_FIELDS, {})
-    models = body.get("models")
-    if models is None:
-        raise InvalidRequest("Missing required parameter: 'models'.", "models")
-    if not isinstance(models, list) or not all(isinstance(m, str) for m in models):
-        raise v.type_error("models", "an array of two model names", nullable=False)
-    if len(models) != 2:
-        raise InvalidRequest(f"Invalid value for 'models': expected two model names, got {len(models)}.", "models")
-    value = body.get("input")
-    if value is None:
-        raise InvalidRequest("Missing required parameter: 'input'.", "input")
-    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        value = list(value)
-    elif not isinstance(value, str):
-        if isinstance(value, list) and not value:
-            raise v.value_error("input", "a non-empty input")
-        raise v.type_error("input", "a string or an array of token ids", nullable=False)
-    context = v.get_str(body, "context")
-    v.get_str(body, "user")
-    if v.get_bool(body, "stream", False):
-        raise InvalidRequest("/v1/compare does not stream: send the request without 'stream': true.", "stream")
-    return CompareRequest(list(models), value, context, v.get_bool(body, "add_special_tokens", True),
-                          v.get_bool(body, "return_tokens_as_token_ids", False))
+def parse(body: dict, limits: Limits) -> CompareRequest:
+    req = CompareBody.parse(body, limits)
+    return CompareRequest(req.models, req.input, req.context, req.add_special_tokens, req.return_tokens_as_token_ids)
 
 
-def resolve_pair(req: CompareRequest, resolve) -> tuple:
-    """The two backends (`resolve`: a name -> its backend, raising 404 `model_not_found`)."""
+def resolve(req: CompareRequest, resolve_model) -> tuple:
+    """The two backends (`resolve_model`: a name -> its backend, raising 404 `model_not_found`), which must
+    share a vocabulary."""
     pair = []
     for name in req.models:
         try:
-            pair.append(resolve(name))
+            pair.append(resolve_model(name))
         except APIError as exc:
             exc.param = "models"
             raise
     if pair[0] is pair[1]:
         raise InvalidRequest(f"Invalid value for 'models': both names are the model {pair[0].info.name}; "
                              "name two different models.", "models")
+    check_same_vocabulary(*pair)
     return tuple(pair)
 
 
@@ -119,7 +96,7 @@ def not_one_tokenizer(a, b, why: str) -> InvalidRequest:
                           "/v1/compare compares two distributions over one vocabulary.", "models")
 
 
-def tokenize_item(pair: tuple, req: CompareRequest) -> CompareItem:
+def tokenize(pair: tuple, req: CompareRequest) -> CompareItem:
     """context + input as both models' tokenizers read them; 400 if they differ. Like /v1/score, context
     and input are tokenized apart; the special tokens (BOS) go in front of the first of them."""
     (ids_a, first_a), (ids_b, first_b) = [_tokenize(backend, req) for backend in pair]
@@ -149,7 +126,7 @@ def _tokenize(backend, req: CompareRequest) -> tuple[list[int], int]:
     return list(head) + list(ids), len(head)
 
 
-def check_caps(pair: tuple, item: CompareItem, limits: Limits) -> None:
+def check_caps(pair: tuple, req: CompareRequest, item: CompareItem, limits: Limits) -> None:
     """The context length of each model, then the whole-vocabulary cap (the smaller of the two models':
     every position of context and input is read whole)."""
     for backend in pair:
@@ -167,13 +144,19 @@ def check_caps(pair: tuple, item: CompareItem, limits: Limits) -> None:
             f"request has {num}. Send a shorter text.", "input")
 
 
-def build_requests(pair: tuple, item: CompareItem, request_id: str) -> list[GenerationRequest]:
+def build_requests(pair: tuple, req: CompareRequest, item: CompareItem, request_id: str) -> list[GenerationRequest]:
     """One request per model: the tokens, nothing generated, every position's whole vocabulary."""
     params = SamplingParams(max_tokens=0, prompt_logprobs=-1)
     return [GenerationRequest(request_id, list(item.token_ids), params) for _ in pair]
 
 
-def format_response(pair: tuple, req: CompareRequest, item: CompareItem, outputs: list[GenerationOutput]) -> dict:
+def jobs(pair: tuple, requests: list[GenerationRequest]) -> list[tuple]:
+    """Each model runs its own request; one hold counts both."""
+    return [(backend, [request]) for backend, request in zip(pair, requests)]
+
+
+def format_response(pair: tuple, req: CompareRequest, item: CompareItem, requests: list[GenerationRequest],
+                    outputs: list[GenerationOutput]) -> tuple[dict, None]:
     """The comparison over the input's tokens (the context's are run, not compared). Position 0 of a
     text with nothing before it has no distribution: null in every list, left out of the summary."""
     a, b = pair
@@ -209,7 +192,7 @@ def format_response(pair: tuple, req: CompareRequest, item: CompareItem, outputs
     total = len(item.token_ids) * 2
     return {"object": "comparison", "models": [a.info.name, b.info.name], "tokens": namer.names(ids),
             "token_ids": ids.tolist(), "text_offset": list(asm.offsets), "positions": positions,
-            "summary": summary, "usage": {"prompt_tokens": total, "total_tokens": total}}
+            "summary": summary, "usage": {"prompt_tokens": total, "total_tokens": total}}, None
 
 
 def _wire(values: np.ndarray) -> np.ndarray:

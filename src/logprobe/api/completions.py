@@ -1,14 +1,15 @@
 """POST /v1/completions: request checks, the hand-off to the engine, and the response.
 
-Order of work: field types and values (400) -> model (404) -> tokenize -> caps and context (400) ->
-engine. Nothing reaches the engine's queue before every check has passed.
+The steps, run in order by pipeline.serve: parse (field types and values, 400; schemas.CompletionBody)
+-> model (404) -> tokenize -> caps and context (400) -> build_requests -> the hold and the engine ->
+format_response (or stream_formatters). Nothing reaches the engine's queue before every check passed.
 """
 
 from __future__ import annotations
 
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -17,35 +18,21 @@ from ..backend import GenerationOutput, GenerationRequest, SamplingParams
 from ..tokens import TextAssembler
 from ..output.instruments import asked_ids_top, join_legacy
 from ..output.logprobs import TokenNamer, legacy_logprobs
-from . import validation as v
-from .common import (Parts, ResidualRequest, check_request_caps, check_text_length, instrument_blocks, parse_shared,
-                     prompt_logprobs_parts, residual_layers, residual_of, lens_of, unmodified_of)
+from .caps import check_request_caps, check_text_length
 from .errors import InvalidRequest
+from .output_blocks import (Parts, instrument_blocks, lens_of, prompt_logprobs_parts, residual_layers, residual_of,
+                            unmodified_of)
+from .schemas import CompletionBody
+from .schemas.sampling import ResidualRequest
 from .streaming import sse
-
-COMPLETION_FIELDS = {
-    "model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "logprobs",
-    "echo", "stop", "seed", "user",
-    # logprobe / vLLM extensions
-    "top_k", "prompt_logprobs", "vocab_encoding", "output_residual_stream", "output_lens", "add_special_tokens",
-    "return_tokens_as_token_ids", "logprob_token_ids", "position_stats", "top_logprobs_p", "logprobs_mode",
-    "interventions", "return_unmodified",
-}
-# OpenAI fields logprobe does not implement: accepted only at these neutral values (the last is shown).
-UNIMPLEMENTED_FIELDS = {
-    "best_of": (None, 1),
-    "frequency_penalty": (None, 0),
-    "presence_penalty": (None, 0),
-    "logit_bias": (None, {}),
-    "suffix": ("", None),
-}
-PROMPT_TYPE = "a string, an array of strings, an array of integers or an array of arrays of integers"
 
 
 @dataclass
 class Prompt:
     token_ids: list[int]
     text: str | None  # the original text of a text prompt (None for a token-id prompt)
+    echo_text: str = ""  # with `echo`: the prompt's text as echoed, and each token's offset in it
+    echo_offsets: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -61,54 +48,18 @@ class CompletionRequest:
     residual: ResidualRequest | None = None
 
 
-def parse_prompt(value) -> list:
-    """The prompt field as a list of strings or a list of token-id lists."""
-    if value is None:
-        raise InvalidRequest("Missing required parameter: 'prompt'.", "prompt")
-    if isinstance(value, str):
-        return [value]
-    if not isinstance(value, list) or not value:
-        if isinstance(value, list):
-            raise v.value_error("prompt", "a non-empty prompt")
-        raise v.type_error("prompt", PROMPT_TYPE, nullable=False)
-    if all(isinstance(x, str) for x in value):
-        return value
-    if all(isinstance(x, int) and not isinstance(x, bool) for x in value):
-        return [value]
-    if all(isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
-           for x in value):
-        return value
-    raise v.type_error("prompt", PROMPT_TYPE, nullable=False)
-
-
-def parse_completion(body: dict, limits: Limits) -> CompletionRequest:
-    v.check_known_fields(body, COMPLETION_FIELDS, UNIMPLEMENTED_FIELDS)
-    model = v.get_str(body, "model", required=True)
-    prompts = parse_prompt(body.get("prompt"))
-    shared = parse_shared(body, limits)
-    params = SamplingParams(
-        max_tokens=v.get_int(body, "max_tokens", 16, ge=0, le=None),  # bounded by the context (caps)
-        logprobs=v.get_int(body, "logprobs", None, ge=0, le=limits.max_logprobs),
-        echo=v.get_bool(body, "echo", False),
-        **shared.sampling,
-    )
-    if len(prompts) > limits.max_prompts:
-        raise InvalidRequest(f"Too many prompts: this server takes at most {limits.max_prompts} prompts "
-                             f"in one request (max_prompts), and this one has {len(prompts)}.", "prompt")
+def parse(body: dict, limits: Limits) -> CompletionRequest:
+    req = CompletionBody.parse(body, limits)
+    params = SamplingParams(max_tokens=req.max_tokens, logprobs=req.logprobs, echo=req.echo,
+                            **req.sampling_kwargs(limits))
     return CompletionRequest(
-        model=model,
-        prompts=prompts,
-        params=params,
-        add_special_tokens=v.get_bool(body, "add_special_tokens", True),
-        return_tokens_as_token_ids=shared.return_tokens_as_token_ids,
-        stream=shared.stream,
-        include_usage=shared.include_usage,
-        vocab_encoding=shared.vocab_encoding,
-        residual=shared.residual,
-    )
+        model=req.model, prompts=req.prompt, params=params, add_special_tokens=req.add_special_tokens,
+        return_tokens_as_token_ids=req.return_tokens_as_token_ids, stream=req.stream,
+        include_usage=req.include_usage, vocab_encoding=req.vocab_encoding, residual=req.output_residual_stream)
 
 
-def tokenize_prompts(backend, req: CompletionRequest) -> list[Prompt]:
+def tokenize(backend, req: CompletionRequest) -> list[Prompt]:
+    """Each prompt's token ids (and, with `echo`, its echoed text and offsets)."""
     vocab = backend.info.vocab_size
     if isinstance(req.prompts[0], str):
         for text in req.prompts:
@@ -126,6 +77,8 @@ def tokenize_prompts(backend, req: CompletionRequest) -> list[Prompt]:
         if not p.token_ids:
             raise InvalidRequest(f"Invalid value for 'prompt': prompt {i} has no tokens (the model adds no "
                                  "BOS token, so an empty text cannot be run).", "prompt")
+        if req.params.echo:
+            p.echo_text, p.echo_offsets = echo_of(backend, p, req.add_special_tokens)
     return out
 
 
@@ -151,29 +104,22 @@ def echo_of(backend, prompt: Prompt, added_special: bool) -> tuple[str, list[int
     return text, [min(o, len(text)) for o in asm.offsets]
 
 
-def build_requests(backend, req: CompletionRequest, prompts: list[Prompt], request_id: str):
-    """One GenerationRequest per prompt, plus the echo text and offsets of each prompt."""
-    requests, echoes = [], []
-    for p in prompts:
-        params = req.params
-        params = SamplingParams(**{**params.__dict__, "stop_token_ids": backend.info.stop_token_ids,
-                                   "residual_layers": residual_layers(backend, req.residual)})
-        echo_text, echo_offsets = "", []
-        if params.echo:
-            echo_text, echo_offsets = echo_of(backend, p, req.add_special_tokens)
-        requests.append(GenerationRequest(request_id, p.token_ids, params, len(echo_text)))
-        echoes.append((echo_text, echo_offsets))
-    return requests, echoes
+def build_requests(backend, req: CompletionRequest, prompts: list[Prompt], request_id: str) -> list[GenerationRequest]:
+    """One GenerationRequest per prompt."""
+    params = SamplingParams(**{**req.params.__dict__, "stop_token_ids": backend.info.stop_token_ids,
+                               "residual_layers": residual_layers(backend, req.residual)})
+    return [GenerationRequest(request_id, p.token_ids, params, len(p.echo_text)) for p in prompts]
 
 
-def format_response(backend, req: CompletionRequest, requests: list[GenerationRequest],
-                    outputs: list[GenerationOutput], echoes):
+def format_response(backend, req: CompletionRequest, prompts: list[Prompt], requests: list[GenerationRequest],
+                    outputs: list[GenerationOutput]):
     """The completion as (JSON-ready dict, parts): where the dict holds a placeholder string
     `Parts.MARK`, the bytes yielded by parts[i]() go instead (the prompt_logprobs lists)."""
     params = req.params
     namer = TokenNamer(backend.table.strings, req.return_tokens_as_token_ids)
     choices, parts, completion_tokens = [], Parts(), 0
-    for g_index, (request, out, (echo_text, echo_offsets)) in enumerate(zip(requests, outputs, echoes)):
+    for g_index, (request, out, prompt) in enumerate(zip(requests, outputs, prompts)):
+        echo_text, echo_offsets = prompt.echo_text, prompt.echo_offsets
         prompt_ids = np.asarray(request.prompt_ids, dtype=np.int64)
         prompt_part = None
         if params.prompt_logprobs is not None:
@@ -239,7 +185,7 @@ def choice_logprobs(namer: TokenNamer, params: SamplingParams, prompt_ids: np.nd
     return join_legacy(prompt, generated)
 
 
-def stream_formatters(backend, req: CompletionRequest, requests: list[GenerationRequest], echoes):
+def stream_formatters(backend, req: CompletionRequest, prompts: list[Prompt], requests: list[GenerationRequest]):
     """(format_deltas, final_chunks) for `stream: true`: one chunk per choice and step, shaped like a
     completion whose text is the new text and whose logprobs hold the new tokens only; `echo` goes in
     each choice's first chunk, and `text_offset` continues across chunks."""
@@ -254,7 +200,7 @@ def stream_formatters(backend, req: CompletionRequest, requests: list[Generation
         chunks = []
         for d in deltas:
             request = requests[d.group_index]
-            echo_text, echo_offsets = echoes[d.group_index]
+            echo_text, echo_offsets = prompts[d.group_index].echo_text, prompts[d.group_index].echo_offsets
             text, logprobs = d.text, None
             ids, lps, top_ids, top_lps, offsets = d.token_ids, d.logprobs, d.top_ids, d.top_logprobs, d.offsets
             with_prompt = d.is_first and params.echo

@@ -1,6 +1,7 @@
-"""`interventions` and `return_unmodified` (docs/api.md, section 2.4): their parsing (types, ops,
-vectors) before the model is known, then their checks against the model and the tokenized prompts
-(layers, vector length, positions, patch sources) before anything is queued."""
+"""`interventions` (docs/api.md, section 2.4): each item's parsing (types, ops, vectors) before the
+model is known (the field itself and `return_unmodified` are declared in schemas/sampling.py), then
+their checks against the model and the tokenized prompts (layers, vector length, positions, patch
+sources) before anything is queued."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import numpy as np
 
 from ..backend import Intervention, SamplingParams
 from ..config import Limits
-from . import validation as v
 from .errors import ContextLengthExceeded, InvalidRequest
 
 NAME = "interventions"
@@ -26,31 +26,8 @@ def _int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def parse_interventions(body: dict, limits: Limits, stream: bool) -> dict:
-    """SamplingParams keywords for `interventions` and `return_unmodified` (none when not set, so a
-    request without them has exactly the default parameters)."""
-    out = {}
-    items = body.get(NAME)
-    if items is not None:
-        if not isinstance(items, list) or not all(isinstance(x, dict) for x in items):
-            raise v.type_error(NAME, "an array of objects")
-        if len(items) > limits.max_interventions:
-            raise InvalidRequest(f"Too many interventions: this server takes at most {limits.max_interventions} "
-                                 f"in one request (max_interventions), and this one has {len(items)}.", NAME)
-        if items:
-            out["interventions"] = tuple(_parse_one(item, f"{NAME}[{i}]") for i, item in enumerate(items))
-    if v.get_bool(body, "return_unmodified", False):
-        if "interventions" not in out:
-            raise InvalidRequest("'return_unmodified' returns the log probabilities without the request's "
-                                 "interventions, so it needs 'interventions'.", "return_unmodified")
-        if stream:
-            raise InvalidRequest("'return_unmodified' does not work with 'stream': true (it is computed when a "
-                                 "choice is done). Send the request without streaming.", "return_unmodified")
-        out["return_unmodified"] = True
-    return out
-
-
-def _parse_one(item: dict, name: str) -> Intervention:
+def parse_intervention(item: dict, name: str) -> Intervention:
+    """One item of `interventions` (its types, op and fields); the model's checks come later."""
     unknown = [key for key in item if key not in FIELDS]
     if unknown:
         raise InvalidRequest(f"Unrecognized field in '{name}': {unknown[0]} (expected layer, op, positions, "

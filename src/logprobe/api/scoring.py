@@ -17,14 +17,11 @@ from ..config import Limits
 from ..backend import GenerationOutput, GenerationRequest, SamplingParams
 from ..tokens import TextAssembler
 from ..output.logprobs import TokenNamer, legacy_logprobs
-from . import validation as v
-from .common import ResidualRequest, check_request_caps, check_text_length, parse_residual, residual_layers, residual_of
-from .completions import parse_prompt
+from .caps import check_request_caps, check_text_length
 from .errors import InvalidRequest
-
-SCORE_FIELDS = {"model", "input", "context", "add_bos", "top_logprobs", "output_residual_stream",
-                "return_tokens_as_token_ids", "user"}
-
+from .output_blocks import residual_layers, residual_of
+from .schemas import ScoreBody
+from .schemas.sampling import ResidualRequest
 
 @dataclass
 class ScoreRequest:
@@ -44,38 +41,13 @@ class ScoreItem:
     text: str | None  # the input text (None for token ids)
 
 
-def parse_score(body: dict, limits: Limits) -> ScoreRequest:
-    v.check_known_fields(body, SCORE_FIELDS, {})
-    model = v.get_str(body, "model", required=True)
-    v.get_str(body, "user")
-    if "input" not in body:
-        raise InvalidRequest("Missing required parameter: 'input'.", "input")
-    try:
-        inputs = parse_prompt(body.get("input"))
-    except InvalidRequest as exc:
-        raise InvalidRequest(exc.message.replace("'prompt'", "'input'"), "input") from None
-    context = body.get("context")
-    if context is None:
-        contexts = [None] * len(inputs)
-    elif isinstance(context, str):
-        contexts = [context] * len(inputs)
-    elif isinstance(context, list) and all(isinstance(c, str) for c in context):
-        if len(context) != len(inputs):
-            raise InvalidRequest(f"Invalid value for 'context': {len(context)} contexts for {len(inputs)} inputs; "
-                                 "send one context, or one per input.", "context")
-        contexts = list(context)
-    else:
-        raise v.type_error("context", "a string or an array of strings")
-    if len(inputs) > limits.max_prompts:
-        raise InvalidRequest(f"Too many inputs: this server takes at most {limits.max_prompts} inputs in one "
-                             f"request (max_prompts), and this one has {len(inputs)}.", "input")
-    return ScoreRequest(model, inputs, contexts, v.get_bool(body, "add_bos", True),
-                        v.get_int(body, "top_logprobs", None, ge=0, le=limits.max_logprobs),
-                        v.get_bool(body, "return_tokens_as_token_ids", False),
-                        parse_residual(body.get("output_residual_stream")))
+def parse(body: dict, limits: Limits) -> ScoreRequest:
+    req = ScoreBody.parse(body, limits)
+    return ScoreRequest(req.model, req.input, req.contexts, req.add_bos, req.top_logprobs,
+                        req.return_tokens_as_token_ids, req.output_residual_stream)
 
 
-def tokenize_items(backend, req: ScoreRequest) -> list[ScoreItem]:
+def tokenize(backend, req: ScoreRequest) -> list[ScoreItem]:
     tok, info = backend.tokenizer, backend.info
     start_id = info.bos_token_id if info.bos_token_id is not None else info.eos_token_id
     items = []
@@ -112,7 +84,8 @@ def build_requests(backend, req: ScoreRequest, items: list[ScoreItem], request_i
     return [GenerationRequest(request_id, it.token_ids, params) for it in items]
 
 
-def format_response(backend, req: ScoreRequest, items: list[ScoreItem], outputs: list[GenerationOutput]) -> dict:
+def format_response(backend, req: ScoreRequest, items: list[ScoreItem], requests: list[GenerationRequest],
+                    outputs: list[GenerationOutput]) -> tuple[dict, None]:
     namer = TokenNamer(backend.table.strings, req.return_tokens_as_token_ids)
     data, total = [], 0
     for index, (item, out) in enumerate(zip(items, outputs)):
@@ -146,7 +119,7 @@ def format_response(backend, req: ScoreRequest, items: list[ScoreItem], outputs:
         data.append(entry)
         total += len(item.token_ids)
     return {"object": "list", "model": backend.info.name, "data": data,
-            "usage": {"prompt_tokens": total, "total_tokens": total}}
+            "usage": {"prompt_tokens": total, "total_tokens": total}}, None
 
 
 def _perplexity(mean: float | None) -> float | None:

@@ -2,9 +2,10 @@
 entropy of each distribution, its top-p set, the actual token's rank, and the distribution a generated
 token was drawn from (docs/api.md, section 2.3).
 
-Prompt positions are reduced chunk by chunk in `fill_prompt_columns` (runner.py) by `fill_prompt_extras`;
-generated positions in the engine's `_postprocess` by a group's `Instruments`. Only requests that ask
-get either: a plain request's group has no `Instruments`, and its prompt columns no extras.
+Prompt positions are reduced chunk by chunk in `PromptColumnWriter.fill` (prompt_columns.py) by
+`fill_prompt_extras`; generated positions, with the tokens, by `pick_with_instruments`, which hands the
+output processor a `Pick` with these columns. Only requests that ask get either: a plain request's group is picked by
+`sampler.pick` (engine/core.py), and its prompt columns have no extras.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import numpy as np
 import torch
 
 from ..backend import PositionColumns, SamplingParams
+from .picks import Pick
 from .sampler import BatchSettings, sample_batch, sample_with_distribution
 
 FEW_IDS = 16  # ranks by one comparison pass per id up to here, by one sort per row beyond (measured on 256
@@ -38,26 +40,38 @@ def count_greater(rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return (total & 0xFFFFFFFF) + (total >> 32)
 
 
-def ranks_of(lsm: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """[R, K] int64: 1 + the number of entries of row r of `lsm` ([R, V]) strictly larger than values[r, k]."""
+def ranks_of(logprob_rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """[R, K] int64: 1 + the number of entries of row r of `logprob_rows` ([R, V]) strictly larger than values[r, k]."""
     if values.shape[1] <= FEW_IDS:
-        return torch.stack([count_greater(lsm, values[:, j:j + 1]) for j in range(values.shape[1])], dim=1) + 1
-    ascending = torch.sort(lsm, dim=1).values
+        return torch.stack([count_greater(logprob_rows, values[:, j:j + 1]) for j in range(values.shape[1])], dim=1) + 1
+    ascending = torch.sort(logprob_rows, dim=1).values
     at_most = torch.searchsorted(ascending, values.contiguous(), right=True)  # entries <= each value
-    return lsm.shape[1] - at_most + 1
+    return logprob_rows.shape[1] - at_most + 1
 
 
-def entropy_of(lsm: torch.Tensor) -> torch.Tensor:
-    """[R] float32: -sum p log p in nats; a token of probability 0 adds 0 (its -inf is clamped, 0 x finite)."""
-    return -(lsm.exp() * lsm.clamp(min=torch.finfo(lsm.dtype).min)).sum(dim=1)
+ENTROPY_ROWS = 32  # rows summed at once in float64: 32 x 128,256 x 8 bytes = 33 MB at most
 
 
-def top_p_sets(lsm: torch.Tensor, p: float, cap: int):
+def entropy_of(logprob_rows: torch.Tensor) -> torch.Tensor:
+    """[R] float32: -sum p log p in nats; a token of probability 0 adds 0 (its -inf is clamped, 0 x finite).
+
+    The sum runs in one fixed order, as a float64 running sum (`cumsum`): torch's `sum` over a whole
+    vocabulary splits it between its threads, so one thread and two gave entropies 1 ulp apart, and a
+    replica of one thread answered otherwise than one process of two (docs/cluster.md)."""
+    terms = logprob_rows.exp() * logprob_rows.clamp(min=torch.finfo(logprob_rows.dtype).min)
+    out = torch.empty(terms.shape[0], dtype=logprob_rows.dtype, device=logprob_rows.device)
+    for start in range(0, terms.shape[0], ENTROPY_ROWS):
+        block = terms[start:start + ENTROPY_ROWS].double()
+        out[start:start + ENTROPY_ROWS] = -block.cumsum(dim=1)[:, -1]
+    return out
+
+
+def top_p_sets(logprob_rows: torch.Tensor, p: float, cap: int):
     """Per row the smallest set of likeliest tokens whose probability reaches p (the rule of top_p
     sampling: a token is in when the mass before it is short of p), at most `cap` tokens:
     (ids [R, cap], log probabilities [R, cap], counts [R], masses [R], truncated [R])."""
-    cap = min(cap, lsm.shape[1])
-    values, ids = torch.topk(lsm, cap, dim=1)  # the likeliest first
+    cap = min(cap, logprob_rows.shape[1])
+    values, ids = torch.topk(logprob_rows, cap, dim=1)  # the likeliest first
     probs = values.exp()
     total = probs.cumsum(dim=1)
     counts = ((total - probs) < p).sum(dim=1).clamp(min=1)
@@ -88,17 +102,17 @@ def new_prompt_extras(num: int, params: SamplingParams, vocab: int) -> PositionC
     return extras
 
 
-def fill_prompt_extras(extras: PositionColumns, lsm: torch.Tensor, rows: slice) -> None:
-    """Reduce one chunk of prompt distributions (lsm [C, V], describing positions `rows`) on the device."""
+def fill_prompt_extras(extras: PositionColumns, logprob_rows: torch.Tensor, rows: slice) -> None:
+    """Reduce one chunk of prompt distributions (logprob_rows [C, V], describing positions `rows`) on the device."""
     if extras.token_ids is not None:
-        ids = torch.as_tensor(extras.token_ids, device=lsm.device)
-        values = lsm[:, ids]
+        ids = torch.as_tensor(extras.token_ids, device=logprob_rows.device)
+        values = logprob_rows[:, ids]
         extras.token_id_logprobs[rows] = values.cpu().numpy()
-        extras.token_id_ranks[rows] = ranks_of(lsm, values).cpu().numpy()
+        extras.token_id_ranks[rows] = ranks_of(logprob_rows, values).cpu().numpy()
     if extras.entropy is not None:
-        extras.entropy[rows] = entropy_of(lsm).cpu().numpy()
+        extras.entropy[rows] = entropy_of(logprob_rows).cpu().numpy()
     if extras.top_p is not None:
-        ids, values, counts, mass, truncated = top_p_sets(lsm, extras.top_p, extras.top_p_ids.shape[1])
+        ids, values, counts, mass, truncated = top_p_sets(logprob_rows, extras.top_p, extras.top_p_ids.shape[1])
         extras.top_p_ids[rows] = ids.cpu().numpy()
         extras.top_p_logprobs[rows] = values.cpu().numpy()
         extras.top_p_counts[rows] = counts.cpu().numpy()
@@ -106,126 +120,44 @@ def fill_prompt_extras(extras: PositionColumns, lsm: torch.Tensor, rows: slice) 
         extras.top_p_truncated[rows] = truncated.cpu().numpy()
 
 
-class RowLog:
-    """A choice's instrument rows, one per generated token (numpy rows, stacked at the end)."""
-
-    def __init__(self):
-        self.columns: dict[str, list] = {}
-        self.processed_logprobs: list[float] = []
-        self.processed_top_logprobs: list[np.ndarray] = []
-
-    def add(self, name: str, value) -> None:
-        self.columns.setdefault(name, []).append(value)
-
-    def position_columns(self, params: SamplingParams, stop: int) -> PositionColumns | None:
-        """The columns of the first `stop` generated tokens (those a stop string's cut kept)."""
-        if not params.needs_position_columns:
-            return None
-        out = PositionColumns(top_p=params.top_logprobs_p)
-        if params.logprob_token_ids:
-            out.token_ids = np.asarray(params.logprob_token_ids, dtype=np.int64)
-        for name, dtype, width in generated_columns(params):
-            values = self.columns.get(name)
-            if values:
-                setattr(out, name, np.asarray(values, dtype=dtype)[:stop])
-            else:  # nothing generated
-                setattr(out, name, np.zeros((0,) if width is None else (0, width), dtype=dtype))
-        return out
-
-
-def generated_columns(params: SamplingParams) -> list[tuple[str, type, int | None]]:
-    """(name, dtype, row width or None) of each PositionColumns column a request's generated rows have."""
-    out = []
+def pick_with_instruments(logprob_rows: torch.Tensor, params: SamplingParams, seeds: list[int], k: int) -> Pick:
+    """The tokens of one group's rows (logprob_rows [R, V] raw log probabilities), drawn as `sample_batch`
+    draws them (with the distribution they were drawn from where the request asks), with their log
+    probabilities, top-k and the instrument columns the request asked for; brought to the host once
+    per column, not per row."""
+    num_rows, vocab = logprob_rows.shape
+    columns: dict[str, torch.Tensor] = {}
     if params.logprob_token_ids:
-        num = len(params.logprob_token_ids)
-        out += [("token_id_logprobs", np.float32, num), ("token_id_ranks", np.int64, num)]
-        if params.records_processed:
-            out.append(("token_id_logprobs_processed", np.float32, num))
+        ids = torch.as_tensor(params.logprob_token_ids, dtype=torch.long, device=logprob_rows.device)
+        values = logprob_rows[:, ids]
+        columns["token_id_logprobs"] = values
+        columns["token_id_ranks"] = ranks_of(logprob_rows, values)
     if params.position_stats:
-        out += [("entropy", np.float32, None), ("ranks", np.int64, None)]
+        columns["entropy"] = entropy_of(logprob_rows)
     if params.top_logprobs_p is not None:
-        cap = params.max_top_p_tokens
-        out += [("top_p_ids", np.int64, cap), ("top_p_logprobs", np.float32, cap), ("top_p_counts", np.int64, None),
-                ("top_p_mass", np.float32, None), ("top_p_truncated", bool, None)]
-    return out
-
-
-class Instruments:
-    """A group's generated-position instruments: what its request asked, computed each step for the
-    group's rows before and while its tokens are sampled."""
-
-    def __init__(self, params: SamplingParams):
-        self.params = params
-        self.ids: torch.Tensor | None = None
-        self.batch: dict[str, np.ndarray] = {}
-        self.tokens: list[int] = []
-        self.processed: torch.Tensor | None = None
-
-    @classmethod
-    def of(cls, params: SamplingParams) -> "Instruments | None":
-        return cls(params) if params.needs_position_columns or params.records_processed else None
-
-    def before_sampling(self, lsm: torch.Tensor, seqs: list) -> None:
-        """What does not depend on the sampled tokens, for every row at once, and the rows' tokens (drawn
-        as `sample_batch` draws them, with the distribution they were drawn from where it is asked)."""
-        params, batch = self.params, {}
+        sets = top_p_sets(logprob_rows, params.top_logprobs_p, min(params.max_top_p_tokens, vocab))
+        columns.update(zip(("top_p_ids", "top_p_logprobs", "top_p_counts", "top_p_mass", "top_p_truncated"), sets))
+    settings = BatchSettings.of([params] * num_rows, vocab, logprob_rows.device, seeds)
+    if params.records_processed:
+        tokens, processed = sample_with_distribution(logprob_rows, settings)
+    else:
+        tokens, processed = sample_batch(logprob_rows, settings), None
+    raw = logprob_rows.gather(1, tokens[:, None])[:, 0]
+    if k:
+        top_values, top_ids = torch.topk(logprob_rows, k, dim=-1)
+    else:
+        top_values = logprob_rows.new_zeros((num_rows, 0))
+        top_ids = torch.zeros((num_rows, 0), dtype=torch.long, device=logprob_rows.device)
+    if params.position_stats:  # the drawn token's rank
+        columns["ranks"] = count_greater(logprob_rows, raw[:, None]) + 1
+    out = dict(tokens=tokens, logprobs=raw, top_ids=top_ids, top_logprobs=top_values)
+    if processed is not None:
+        chosen, chosen_top = processed.gather(1, tokens[:, None])[:, 0], processed.gather(1, top_ids)
         if params.logprob_token_ids:
-            if self.ids is None or self.ids.device != lsm.device:
-                self.ids = torch.as_tensor(params.logprob_token_ids, dtype=torch.long, device=lsm.device)
-            values = lsm[:, self.ids]
-            batch["token_id_logprobs"] = values.cpu().numpy()
-            batch["token_id_ranks"] = ranks_of(lsm, values).cpu().numpy()
-        if params.position_stats:
-            batch["entropy"] = entropy_of(lsm).cpu().numpy()
-        if params.top_logprobs_p is not None:
-            cap = min(params.max_top_p_tokens, lsm.shape[1])
-            sets = top_p_sets(lsm, params.top_logprobs_p, cap)
-            for name, value in zip(("top_p_ids", "top_p_logprobs", "top_p_counts", "top_p_mass", "top_p_truncated"),
-                                   sets):
-                batch[name] = value.cpu().numpy()
-        settings = BatchSettings.of([params] * len(seqs), lsm.shape[1], lsm.device,
-                                    [s.next_seed() for s in seqs])
-        if params.records_processed:
-            tokens, self.processed = sample_with_distribution(lsm, settings)
-        else:
-            tokens, self.processed = sample_batch(lsm, settings), None
-        self.tokens = tokens.tolist()
-        self.batch = batch
-
-    def sample(self, seq, lsm: torch.Tensor, row: int, top_ids: np.ndarray | None,
-               top_values: np.ndarray | None) -> int:
-        """Record row `row`'s token (drawn in `before_sampling`), its log probabilities and instrument
-        rows on `seq`."""
-        params = self.params
-        raw = lsm[row]
-        if seq.rows is None:
-            seq.rows = RowLog()
-        log = seq.rows
-        token = self.tokens[row]
-        processed = None if self.processed is None else self.processed[row]
-        raw_value = float(raw[token])
-        if processed is not None:
-            processed_value = float(processed[token])
-            processed_top = processed[torch.as_tensor(top_ids)].cpu().numpy() if top_ids is not None else None
-            if params.logprob_token_ids:
-                log.add("token_id_logprobs_processed", processed[self.ids].cpu().numpy())
-        seq.token_ids.append(token)
-        if params.logprobs_mode == "processed" and processed is not None:
-            seq.logprobs.append(processed_value)
-            if top_ids is not None:
-                seq.top_ids.append(top_ids)
-                seq.top_logprobs.append(processed_top)
-        else:
-            seq.logprobs.append(raw_value)
-            if top_ids is not None:
-                seq.top_ids.append(top_ids)
-                seq.top_logprobs.append(top_values)
-            if processed is not None:  # "both"
-                log.processed_logprobs.append(processed_value)
-                if top_ids is not None:
-                    log.processed_top_logprobs.append(processed_top)
-        for name, values in self.batch.items():
-            log.add(name, values[row])
-        if params.position_stats:
-            log.add("ranks", int((raw > raw[token]).sum()) + 1)
-        return token
+            columns["token_id_logprobs_processed"] = processed[:, ids]
+        if params.logprobs_mode == "processed":
+            out.update(logprobs=chosen, top_logprobs=chosen_top)
+        else:  # "both"
+            out.update(processed_logprobs=chosen, processed_top_logprobs=chosen_top)
+    host = {name: value.cpu().numpy() for name, value in out.items()}
+    return Pick(**host, columns={name: value.cpu().numpy() for name, value in columns.items()})

@@ -71,7 +71,7 @@ class Int4Linear:
         self.out_features = q.shape[0]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.dtype == torch.bfloat16:  # the lean path's decode rows: no reshape, no cast
+        if x.dim() == 2 and x.dtype == torch.bfloat16:  # the lean runner's decode rows: no reshape, no cast
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_and_zeros)
         shape = x.shape
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).to(torch.bfloat16), self.packed,

@@ -325,12 +325,12 @@ def _check_offline_cache(repo_id: str) -> None:
 
 
 def _int4_grids(model, device: str) -> dict:
-    from . import fast_runner, int4
+    from . import int4, lean
 
     if not device.startswith("cpu"):
         raise ModelLoadError("--quantization int4 runs on the CPU only (PyTorch's CPU int4 kernel)")
-    if not fast_runner.supports(model):
-        raise ModelLoadError("--quantization int4 needs a model on the lean path (Llama, Mistral, Qwen 2/3, "
+    if not lean.supports(model):
+        raise ModelLoadError("--quantization int4 needs a model on the lean runner (Llama, Mistral, Qwen 2/3, "
                              f"Gemma 3); this one is {model.config.model_type!r}")
     layer = getattr(model, model.base_model_prefix).layers[0]
     if not all(hasattr(part, name) for part, name in ((layer.self_attn, "q_proj"), (layer.mlp, "gate_proj"))):

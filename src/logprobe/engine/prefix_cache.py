@@ -1,4 +1,4 @@
-"""Prompt prefixes' keys and values kept across batches, for prompt-only requests (the lean path's
+"""Prompt prefixes' keys and values kept across batches, for prompt-only requests (the lean runner's
 `prefill_batch`).
 
 lm-evaluation-harness sorts its requests by length, so the answers of one multiple-choice question

@@ -1,24 +1,23 @@
 """What the engine keeps of a request while it runs: its sequences, their columns and random streams.
 
 The engine turns each `GenerationRequest` (backend.py) into a `SequenceGroup` (one prompt and its `n`
-choices), fills its numpy columns step by step, and hands back a `GenerationOutput`. This state is the
-engine's own: nothing outside `engine/` reads or writes it.
+choices), fills its numpy columns step by step (output_processor.py), and hands back a
+`GenerationOutput`. No torch here: the engine's test double (tests/fake_backend.py) keeps the same state.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..backend import (ChoiceOutput, FinishReason, GenerationOutput, GenerationRequest, PromptColumns,
-                       SamplingParams)
+from ..backend import (ChoiceOutput, FinishReason, GenerationOutput, GenerationRequest, PositionColumns,
+                       PromptColumns, SamplingParams)
 from ..tokens import TextAssembler, TokenTable
-from .instruments import Instruments, RowLog
-from .streams import Stream
+from .random_streams import Stream
 
-__all__ = ["FinishReason", "PromptColumns", "SamplingParams", "Sequence", "SequenceGroup"]
+__all__ = ["FinishReason", "PromptColumns", "SamplingParams", "SequenceState", "SequenceGroup", "RowLog"]
 
 
-class Sequence:
+class SequenceState:
     """One choice: the tokens it generated, their log probabilities and its text so far."""
 
     def __init__(self, index: int, params: SamplingParams, table: TokenTable, text_start: int):
@@ -36,14 +35,14 @@ class Sequence:
         self.residual: dict[int, np.ndarray] | None = None  # layer -> [prompt + kept tokens, D]
         self.lens: dict | None = None  # layer -> PromptColumns of prompt + kept tokens (logit lens)
         self.unmodified: PromptColumns | None = None  # prompt + kept tokens without the interventions
-        self.rows: RowLog | None = None  # instrument rows, for a request that asked (instruments.py)
+        self.rows: RowLog | None = None  # instrument rows, for a request that asked for instruments
 
     @property
     def is_finished(self) -> bool:
         return self.finish_reason is not None
 
     def next_seed(self) -> int:
-        """The seed of the random numbers its next token is drawn with (streams.py)."""
+        """The seed of the random numbers its next token is drawn with (random_streams.py)."""
         return self.stream.seed(len(self.token_ids))
 
     @property
@@ -94,11 +93,11 @@ class SequenceGroup:
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.params = params
-        self.sequences = [Sequence(j, params, table, text_start) for j in range(params.n)]
+        self.sequences = [SequenceState(j, params, table, text_start) for j in range(params.n)]
         self.prompt_columns: PromptColumns | None = None
-        self.instruments = Instruments.of(params)  # None for a request that asks for none
         self.edits = None  # its interventions, resolved before its first pass (interventions.py)
         self.cache = None  # the model's KV cache while the group runs
+        self.num_computed_tokens = 0  # prompt tokens prefilled so far (the scheduler counts them)
         self.active_rows: list[int] = []  # sequence index of each row of the KV cache batch
         self.is_aborted = False
         self.error: BaseException | None = None
@@ -113,6 +112,11 @@ class SequenceGroup:
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_ids)
 
+    @property
+    def has_instruments(self) -> bool:
+        """Whether its generated tokens carry instrument columns (instruments.pick_with_instruments)."""
+        return self.params.needs_position_columns or self.params.records_processed
+
     @classmethod
     def from_request(cls, request: GenerationRequest, table: TokenTable) -> "SequenceGroup":
         return cls(request.request_id, list(request.prompt_ids), request.params, table, request.text_start)
@@ -121,3 +125,47 @@ class SequenceGroup:
         k = self.params.logprobs or 0
         return GenerationOutput(self.request_id, self.num_prompt_tokens, self.prompt_columns,
                                 [seq.output(k, self.params) for seq in self.sequences])
+
+
+class RowLog:
+    """A choice's instrument rows, one per generated token (numpy rows, stacked at the end)."""
+
+    def __init__(self):
+        self.columns: dict[str, list] = {}
+        self.processed_logprobs: list[float] = []
+        self.processed_top_logprobs: list[np.ndarray] = []
+
+    def add(self, name: str, value) -> None:
+        self.columns.setdefault(name, []).append(value)
+
+    def position_columns(self, params: SamplingParams, stop: int) -> PositionColumns | None:
+        """The columns of the first `stop` generated tokens (those a stop string's cut kept)."""
+        if not params.needs_position_columns:
+            return None
+        out = PositionColumns(top_p=params.top_logprobs_p)
+        if params.logprob_token_ids:
+            out.token_ids = np.asarray(params.logprob_token_ids, dtype=np.int64)
+        for name, dtype, width in generated_columns(params):
+            values = self.columns.get(name)
+            if values:
+                setattr(out, name, np.asarray(values, dtype=dtype)[:stop])
+            else:  # nothing generated
+                setattr(out, name, np.zeros((0,) if width is None else (0, width), dtype=dtype))
+        return out
+
+
+def generated_columns(params: SamplingParams) -> list[tuple[str, type, int | None]]:
+    """(name, dtype, row width or None) of each PositionColumns column a request's generated rows have."""
+    out = []
+    if params.logprob_token_ids:
+        num = len(params.logprob_token_ids)
+        out += [("token_id_logprobs", np.float32, num), ("token_id_ranks", np.int64, num)]
+        if params.records_processed:
+            out.append(("token_id_logprobs_processed", np.float32, num))
+    if params.position_stats:
+        out += [("entropy", np.float32, None), ("ranks", np.int64, None)]
+    if params.top_logprobs_p is not None:
+        cap = params.max_top_p_tokens
+        out += [("top_p_ids", np.int64, cap), ("top_p_logprobs", np.float32, cap), ("top_p_counts", np.int64, None),
+                ("top_p_mass", np.float32, None), ("top_p_truncated", bool, None)]
+    return out

@@ -1,9 +1,8 @@
-"""The device work: prefill and decode forward passes over a transformers causal LM with a KV cache.
+"""The device work on transformers' forward: prefill and decode passes over a transformers causal LM
+with its own KV cache per request, for models the lean runner (lean/) does not run.
 
-Only the engine's thread calls a `ModelRunner`. Logits for every prompt position are computed only for
-groups that need them, in chunks of positions so that a long prompt never holds a [P, V] float32 matrix;
-each chunk is reduced on the device to what the API reports (the target's log probability, its rank and
-the top-k) before anything moves to numpy.
+Only the engine's thread calls a `ModelRunner`. Prompt columns are reduced by prompt_columns.py, which
+the lean runner uses too.
 """
 
 from __future__ import annotations
@@ -15,13 +14,9 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from .instruments import count_greater, fill_prompt_extras, new_prompt_extras
 from .interventions import Edits, segment_editor
-from .request import PromptColumns, SamplingParams, SequenceGroup
-
-POSITION_CHUNK = 256  # prompt positions whose logits are materialised at once, at most
-CHUNK_ENTRIES = 256 * 49_152  # ... and at most this many logits (positions x vocabulary): 48 positions
-# for Gemma 3's 262,144 tokens, whose working memory at 256 positions measured 3.49 GB against 0.69 GB
+from .prompt_columns import CaptureDone, PromptColumnWriter, logit_lens
+from .request import PromptColumns, SequenceGroup
 
 
 class CacheIgnored(RuntimeError):
@@ -49,21 +44,6 @@ def check_cache_length(cache, expected: int) -> None:
                            "transformers ignored the cache argument")
 
 
-class _Captured(Exception):
-    """Raised by the last activation hook: the rest of the forward pass is not needed."""
-
-
-def vocab_ranks(rows: torch.Tensor) -> torch.Tensor:
-    """Rank of every entry of [B, V] rows: 1 + the number of strictly larger values in its row.
-    One sort per row; equal values share the rank of the first of their run."""
-    values, order = torch.sort(rows, dim=-1, descending=True)
-    starts_run = torch.ones_like(values, dtype=torch.bool)
-    starts_run[:, 1:] = values[:, 1:] != values[:, :-1]
-    index = torch.arange(rows.shape[-1], device=rows.device).expand_as(order)
-    first = torch.cummax(torch.where(starts_run, index, torch.zeros_like(index)), dim=-1).values
-    return torch.empty_like(first).scatter_(-1, order, first + 1)
-
-
 class ModelRunner:
     def __init__(self, model):
         self.model = model
@@ -71,9 +51,10 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.decoder = getattr(model, model.base_model_prefix)
         self.lm_head = model.get_output_embeddings()
-        self.vocab_size = int(self.lm_head.weight.shape[0])  # the lean path may empty the module later
+        self.vocab_size = int(self.lm_head.weight.shape[0])
         self.softcap = getattr(self.config, "final_logit_softcapping", None)
         self.cache_kw = cache_keyword(self.decoder)
+        self.columns = PromptColumnWriter(self.logprobs_of, self.vocab_size)
 
     @contextlib.contextmanager
     def edited(self, edit, positions: torch.Tensor):
@@ -124,7 +105,7 @@ class ModelRunner:
         check_cache_length(cache, ids.shape[1])
         group.cache = cache
         if group.params.needs_prompt_logits:
-            group.prompt_columns = self._prompt_columns(hidden, ids[0], group.params)
+            group.prompt_columns = self.columns.whole(hidden, ids[0], group.params)
         return self.logprobs_of(hidden[-1:])
 
     @torch.inference_mode()
@@ -148,47 +129,7 @@ class ModelRunner:
         for row, g in enumerate(groups):
             if g.params.needs_prompt_logits:
                 n = g.num_prompt_tokens
-                g.prompt_columns = self._prompt_columns(hidden[row, :n], ids[row, :n], g.params)
-
-    def _prompt_columns(self, hidden: torch.Tensor, ids: torch.Tensor, params: SamplingParams) -> PromptColumns:
-        cols = self.new_prompt_columns(ids.shape[0], params)
-        self.fill_prompt_columns(cols, hidden, ids, 0)
-        return cols
-
-    def new_prompt_columns(self, num: int, params: SamplingParams) -> PromptColumns:
-        """Empty columns for a prompt of `num` tokens, as wide as the request asks."""
-        k = params.num_prompt_top
-        vocab = self.vocab_size
-        full = full_ranks = None
-        if params.prompt_logprobs == -1:  # bounded by the whole-vocabulary cap (256 positions by default)
-            full = np.full((num, vocab), np.nan, dtype=np.float32)
-            full_ranks = np.zeros((num, vocab), dtype=np.int32)
-        return PromptColumns(np.full(num, np.nan, dtype=np.float32), np.zeros(num, dtype=np.int64),
-                             np.zeros((num, k), dtype=np.int64), np.zeros((num, k), dtype=np.float32),
-                             full, full_ranks, new_prompt_extras(num, params, vocab))
-
-    def fill_prompt_columns(self, cols: PromptColumns, hidden: torch.Tensor, ids: torch.Tensor, first: int) -> None:
-        """Fill the rows predicted by `hidden` ([C, D], the states at positions first..first+C-1): the
-        distribution at position i predicts the prompt token at i + 1."""
-        num, k = ids.shape[0], cols.top_ids.shape[1]
-        last = min(first + hidden.shape[0], num - 1)  # the state at the final position predicts no prompt token
-        chunk = max(1, min(POSITION_CHUNK, CHUNK_ENTRIES // self.vocab_size))
-        for start in range(first, last, chunk):
-            stop = min(start + chunk, last)
-            lsm = self.logprobs_of(hidden[start - first:stop - first])  # [C, V]
-            target = ids[start + 1:stop + 1]
-            target_lp = lsm.gather(1, target[:, None])  # [C, 1]
-            cols.logprobs[start + 1:stop + 1] = target_lp[:, 0].cpu().numpy()
-            if cols.full is not None:
-                cols.full[start + 1:stop + 1] = lsm.cpu().numpy()
-                cols.full_ranks[start + 1:stop + 1] = vocab_ranks(lsm).cpu().numpy()
-            cols.ranks[start + 1:stop + 1] = (count_greater(lsm, target_lp) + 1).cpu().numpy()
-            if k:
-                vals, idx = torch.topk(lsm, k, dim=1)
-                cols.top_ids[start + 1:stop + 1] = idx.cpu().numpy()
-                cols.top_logprobs[start + 1:stop + 1] = vals.cpu().numpy()
-            if cols.extras is not None:
-                fill_prompt_extras(cols.extras, lsm, slice(start + 1, stop + 1))
+                g.prompt_columns = self.columns.whole(hidden[row, :n], ids[row, :n], g.params)
 
     @torch.inference_mode()
     def decode(self, group: SequenceGroup, last_tokens: list[int]) -> torch.Tensor:
@@ -216,7 +157,7 @@ class ModelRunner:
         def keep(layer, hidden):
             store[layer] = hidden[0].float().cpu()
             if layer == deepest:
-                raise _Captured
+                raise CaptureDone
 
         try:
             for layer in sorted(set(layers)):
@@ -233,7 +174,7 @@ class ModelRunner:
             positions = torch.arange(len(ids), device=self.device)[None]
             with self.edited(segment_editor([(0, 0, len(ids), edits)]), positions):
                 self.decoder(input_ids=torch.tensor([ids], dtype=torch.long, device=self.device), use_cache=False)
-        except _Captured:
+        except CaptureDone:
             pass
         finally:
             for h in handles:
@@ -245,28 +186,16 @@ class ModelRunner:
         return self.decoder.norm(hidden)
 
     @torch.inference_mode()
-    def logit_lens(self, ids: list[int], layers: list[int], k: int, edits: Edits | None = None) -> dict[int, PromptColumns]:
-        """{layer: columns of `ids`} with each asked layer's residual stream read as if it were the last
-        block's output: the final norm, the head, log_softmax in float32. Row i holds token i's log
-        probability and rank under the state at position i - 1 and the k likeliest tokens there (row 0
-        is empty), reduced chunk by chunk as prompt log probabilities are."""
-        states = self.residual_stream(ids, layers, edits)
-        dtype = self.head_dtype()
-        target = torch.tensor(ids, dtype=torch.long, device=self.device)
-        params = SamplingParams(prompt_logprobs=k)
-        out = {}
-        for layer in layers:
-            hidden = torch.from_numpy(states[layer]).to(self.device, dtype)  # float32 of the model's values
-            cols = self.new_prompt_columns(len(ids), params)
-            self.fill_prompt_columns(cols, self.apply_final_norm(hidden), target, 0)
-            out[layer] = cols
-        return out
+    def logit_lens(self, ids: list[int], layers: list[int], k: int, edits: Edits | None = None
+                   ) -> dict[int, PromptColumns]:
+        """{layer: columns of `ids`} from each asked layer's residual stream (prompt_columns.logit_lens)."""
+        return logit_lens(self, ids, layers, k, edits)
 
     def head_dtype(self) -> torch.dtype:
         """The dtype the final norm and the head take."""
         return next(self.model.parameters()).dtype
 
-    # ---- the interface the engine's step loop uses (the fast runner implements the same) -------
+    # ---- the interface the engine's step loop uses (the lean runner implements the same) -------
     supports_batched_decode = False
 
     def prefill_chunk(self, group: SequenceGroup, budget: int) -> torch.Tensor | None:
@@ -279,7 +208,7 @@ class ModelRunner:
         return [self.prefill_chunk(group, budget) for group, budget in chunks]
 
     kv_cache_bytes = 0  # this runner keeps a cache per request, inside the request
-    prefix_cache_bytes = 0  # ... and no prefix cache (the lean path's, prefix_cache.py)
+    prefix_cache_bytes = 0  # ... and no prefix cache (the lean runner's, prefix_cache.py)
 
     def on_idle(self) -> None:
         """Called when the engine has nothing to do."""
@@ -294,7 +223,7 @@ class ModelRunner:
 
     def decode_and_pick(self, groups: list[SequenceGroup], k: int) -> tuple[list[torch.Tensor], np.ndarray | None]:
         """`decode_groups`, and where the runner can pick the rows' tokens in the same recorded pass (a
-        CUDA graph on the lean path), what the engine would bring to the host for them (sampler.pick's
+        CUDA graph on the lean runner), what the engine would bring to the host for them (sampler.pick's
         array, rows in the groups' order, their rows in order within each); None where it cannot: the
         engine picks them itself."""
         return self.decode_groups(groups), None

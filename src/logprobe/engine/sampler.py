@@ -8,7 +8,7 @@ distribution the token was drawn from, which `sample_with_distribution` returns 
 A non-greedy row is drawn as torch.multinomial draws one sample: each token's probability over an
 exponential random number, the largest wins (an exact draw from the distribution). A row's V numbers
 come from the top 31 bits of the first V outputs of SplitMix64 started at the row's seed for this step
-(the choice's counter-based stream gives that seed, streams.py), computed for every row at once in
+(the choice's counter-based stream gives that seed, random_streams.py), computed for every row at once in
 64-bit integer tensor operations (`_log_uniform`): the same bits on any device (the float32 logarithm
 made from them may differ in its last bit between a CPU and a GPU), in any batch, with no generator
 state and no per-row work on the host, so the draw can run inside a recorded CUDA graph. A seeded row draws the same token in a batch
@@ -20,7 +20,7 @@ answers.) Rows of different settings share one pass: a top-k or top-p that a row
 changes nothing in it.
 
 `pick` is what a decode step brings to the host: each row's token, its log probability and the top-k,
-packed in one array.
+packed in one array, which picks.split_picks cuts into a named `Pick` per request.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from ..backend import SamplingParams
-from .streams import _GAMMA, _MASK  # SplitMix64's increment, and 64 bits
+from .random_streams import _GAMMA, _MASK  # SplitMix64's increment, and 64 bits
 
 
 def _signed(value: int) -> int:
@@ -222,7 +222,8 @@ def sample_row(logprobs: torch.Tensor, params: SamplingParams, seed: int) -> int
 def pick(logprobs: torch.Tensor, settings: BatchSettings, k: int) -> torch.Tensor:
     """What a decode step brings to the host for rows of raw log probabilities ([B, V], float32), as one
     float64 array [B, 2 + 2k] (ids and float32 values are exact in float64): each row's token
-    (`sample_batch`), its log probability, then the ids and log probabilities of the k likeliest."""
+    (`sample_batch`), its log probability, then the ids and log probabilities of the k likeliest (the
+    columns picks.py names and `split_picks` reads)."""
     tokens = sample_batch(logprobs, settings)
     parts = [tokens[:, None].double(), logprobs.gather(1, tokens[:, None]).double()]
     if k:

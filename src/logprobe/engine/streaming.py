@@ -3,7 +3,8 @@ the engine thread, which new tokens can go out as `Delta`s (backend.py).
 
 A token is released with the text it completes. While stop strings are set, the last `longest stop - 1`
 characters are held back (a stop string may still be forming), so the streamed text and tokens always
-equal the answer without streaming.
+equal the answer without streaming. No torch here: the engine's test double streams with the same
+releasers (tests/fake_backend.py).
 """
 
 from __future__ import annotations
@@ -11,11 +12,11 @@ from __future__ import annotations
 import asyncio
 
 from ..backend import Delta
-from .request import Sequence, SequenceGroup
+from .request import SequenceGroup, SequenceState
 
 
 class Releaser:
-    def __init__(self, seq: Sequence, group: SequenceGroup, k: int, hold_chars: int, has_stops: bool = False):
+    def __init__(self, seq: SequenceState, group: SequenceGroup, k: int, hold_chars: int, has_stops: bool = False):
         self.seq = seq
         self.group = group
         self.k = k
@@ -63,16 +64,26 @@ class Releaser:
         return delta
 
 
+def releasers_of(group: SequenceGroup, k: int) -> list[Releaser]:
+    """One releaser per choice of the group; `k`: the top-k width its deltas carry."""
+    stops = group.params.stop
+    hold = max((len(s) for s in stops), default=1) - 1
+    return [Releaser(seq, group, k, hold, bool(stops)) for seq in group.sequences]
+
+
+def release_all(releasers: list[Releaser], group_index: int) -> list[Delta]:
+    """The deltas the group's last step released, at most one per choice."""
+    return [d for d in (r.release(group_index) for r in releasers) if d is not None]
+
+
 def attach_releasers(groups: list[SequenceGroup], k: int, loop: asyncio.AbstractEventLoop,
                      queue: asyncio.Queue) -> None:
     """Set each group's on_step to release its choices' new tokens into `queue` (as lists of Delta)."""
     for g_index, group in enumerate(groups):
-        stops = group.params.stop
-        hold = max((len(s) for s in stops), default=1) - 1
-        releasers = [Releaser(seq, group, k, hold, bool(stops)) for seq in group.sequences]
+        releasers = releasers_of(group, k)
 
         def on_step(group, releasers=releasers, g_index=g_index):
-            deltas = [d for d in (r.release(g_index) for r in releasers) if d is not None]
+            deltas = release_all(releasers, g_index)
             if deltas and not loop.is_closed():
                 loop.call_soon_threadsafe(queue.put_nowait, deltas)
 

@@ -1,4 +1,4 @@
-"""Model families of the lean path, one file each: which models a family claims, how their weights fill
+"""Model families of the lean runner, one file each: which models a family claims, how their weights fill
 the runner's structures, and the configurations it refuses (those run on transformers' forward).
 
 * llama.py: Llama, Mistral, Qwen2 (and SmolLM, TinyLlama...), with sliding windows where configured
@@ -21,7 +21,7 @@ __all__ = ["FAMILIES", "Block", "Family", "family_of"]
 
 
 def family_of(model) -> tuple[Family | None, str]:
-    """The family that runs `model` on the lean path and its name, or None and why not."""
+    """The family that runs `model` on the lean runner and its name, or None and why not."""
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     for cls in FAMILIES:
@@ -31,4 +31,4 @@ def family_of(model) -> tuple[Family | None, str]:
             if reason is not None:
                 return None, f"{type(model).__name__} ({model_type}): {reason}"
             return family, cls.name
-    return None, f"{type(model).__name__} ({model_type}): no lean-path family claims this architecture"
+    return None, f"{type(model).__name__} ({model_type}): no lean-runner family claims this architecture"

@@ -1,4 +1,4 @@
-"""What a model family tells the lean runner (fast_runner.py), and the parts families share.
+"""What a model family tells the lean runner (engine/lean/), and the parts families share.
 
 The runner runs every family's blocks with one loop: queries, keys and values from one fused product,
 optional norms on the queries and keys, RoPE, attention over its slot KV cache (masked to the layer's
@@ -24,7 +24,7 @@ BATCH_DEPENDENT_ROPE = {"longrope"}
 
 @dataclass
 class Block:
-    """One decoder layer as the lean path runs it."""
+    """One decoder layer as the lean runner runs it."""
 
     qkv: tuple[torch.Tensor, torch.Tensor | None]  # fused [q; k; v] weight [(H + 2 KV) d, D] and bias
     o_proj: torch.nn.Module
@@ -42,7 +42,7 @@ class Block:
 
 
 class Family:
-    """A model family on the lean path. Subclasses name the `model_types` they claim and override
+    """A model family on the lean runner. Subclasses name the `model_types` they claim and override
     what differs from Llama's layout (the defaults here)."""
 
     name = "base"
@@ -63,9 +63,9 @@ class Family:
     def claims(cls, model) -> bool:
         return getattr(model.config, "model_type", None) in cls.model_types
 
-    # ---- what the lean path cannot run ---------------------------------------------------------
+    # ---- what the lean runner cannot run -------------------------------------------------------
     def refusal(self) -> str | None:
-        """Why this model cannot run on the lean path (it then runs on transformers' forward), or None."""
+        """Why this model cannot run on the lean runner (it then runs on transformers' forward), or None."""
         decoder = self.decoder
         if decoder is None or not hasattr(decoder, "layers") or not len(decoder.layers):
             return "no decoder layers where the family keeps them"

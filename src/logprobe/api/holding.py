@@ -1,0 +1,182 @@
+"""Holding and running admitted requests: `admit` takes a request's hold (api/admission.py decides when
+it fits), `run_held_jobs` runs the requests while the client is connected and within the time-out,
+`stream_held` streams them, and `release` gives the hold back and records the usage, however the
+request ends (finished, failed, timed out, client gone, cancelled by shutdown)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import Request
+from starlette.responses import StreamingResponse
+
+from ..backend import BackendUnavailable, GenerationOutput, GenerationRequest
+from .errors import Timeout, Unavailable
+from .streaming import stream_sse
+
+
+class BackendLost(Unavailable):
+    """503 `unavailable`: the backend lost the request (its replica died); nothing is charged for it."""
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its answer was ready; `generated`: the tokens generated
+    for it until then."""
+
+    def __init__(self, generated: int = 0):
+        super().__init__()
+        self.generated = generated
+
+
+def generated_so_far(jobs: list[tuple]) -> int:
+    """Tokens generated so far for the requests of the (backend, requests) jobs still running, from the
+    backends that can tell (`generated`: the in-process engine; a Ray Serve replica cannot be asked,
+    so behind `--replicas` an abandoned plain request is charged its prompt only, as docs/serving.md says)."""
+    total = 0
+    for backend, requests in jobs:
+        count = getattr(backend, "generated", None)
+        if count is not None:
+            total += sum(count(rid) for rid in dict.fromkeys(r.request_id for r in requests))
+    return total
+
+
+async def run_jobs(jobs: list[tuple]) -> list[list[GenerationOutput]]:
+    """Run each (backend, requests) job at the same time; when one fails or the whole is cancelled, the
+    others are cancelled too (their backends abort them), and waited for."""
+    tasks = [asyncio.ensure_future(backend.run(requests)) for backend, requests in jobs]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def run_jobs_while_connected(request: Request, jobs: list[tuple]) -> list[list[GenerationOutput]]:
+    """Run each (backend, requests) job, on one or more backends at the same time; if the client
+    disconnects first, abort them (the backend drops them before their next step) instead of finishing
+    work nobody will read; the same, with 504, when they run past the request time-out. A backend that
+    lost the requests (a replica died) answers 503."""
+    single = len(jobs) == 1  # one backend: its own run, without a wrapping task
+    run = asyncio.ensure_future(jobs[0][0].run(jobs[0][1]) if single else run_jobs(jobs))
+
+    watcher = asyncio.ensure_future(disconnected(request))
+    timeout = request.app.state.settings.request_timeout or None
+    try:
+        await asyncio.wait({run, watcher}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not run.done():
+            generated = generated_so_far(jobs)
+            run.cancel()  # the backend aborts the requests
+            await asyncio.gather(run, return_exceptions=True)
+            if watcher.done() and not watcher.cancelled():
+                raise ClientGone(generated)
+            stopped = Timeout(f"The request ran longer than this server's limit of {timeout:g} s "
+                              "(request_timeout) and was stopped.")
+            stopped.generated = generated
+            raise stopped
+    try:
+        return [run.result()] if single else run.result()
+    except BackendUnavailable as exc:
+        raise BackendLost(str(exc) or "The model replica serving this request went away; try again.") from None
+
+
+async def admit(request: Request, requests: list[GenerationRequest]):
+    """Hold the request's tokens (waiting in the queue if need be); see admission.py. A client that
+    leaves while its request waits takes it out of the queue at once (ClientGone: logged 499), so it
+    blocks nobody behind it."""
+    admission = request.app.state.admission
+    acquiring = asyncio.ensure_future(admission.acquire(request.state.key_id, sum(r.held_tokens for r in requests)))
+    watcher = None
+    try:
+        await asyncio.sleep(0)  # acquire runs to its first wait: a request admitted at once is done here
+        if not acquiring.done():
+            watcher = asyncio.ensure_future(disconnected(request))
+            await asyncio.wait({acquiring, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not acquiring.done():
+                raise ClientGone()
+    except BaseException:  # the client left, or this handler was cancelled (shutdown): no hold stays
+        if acquiring.done():
+            if not acquiring.cancelled() and acquiring.exception() is None:
+                admission.release(acquiring.result(), used=0)
+        else:
+            acquiring.cancel()  # acquire takes the waiter out (and gives back a hold made meanwhile)
+            await asyncio.gather(acquiring, return_exceptions=True)
+        raise
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+    hold = acquiring.result()
+    request.state.hold = hold
+    return hold
+
+
+async def disconnected(request: Request) -> None:
+    """Returns when the client has closed the connection (the body was read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def release(request: Request, hold, requests: list[GenerationRequest], completion: int, lost: bool = False) -> None:
+    """The request is over (done, failed, timed out or abandoned): give back its hold, and record its
+    usage for the access log and the metrics. The key's budget is charged the prompt tokens (x n) and
+    the tokens generated, except for a request the backend lost (its replica died): only what it sent."""
+    prompt = sum(r.num_prompt_tokens for r in requests)
+    request.state.usage = (prompt, completion)
+    used = completion if lost else sum(r.num_prompt_tokens * r.params.n for r in requests) + completion
+    request.app.state.admission.release(hold, used=used)
+
+
+class HeldStream(StreamingResponse):
+    """A streamed answer that gives back its hold when it ends, however it ends (finished, client gone,
+    cancelled by shutdown), even if its body was never iterated."""
+
+    def __init__(self, content, on_close, **kwargs):
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            close = getattr(self.body_iterator, "aclose", None)
+            if close is not None:
+                await close()
+            self.on_close()
+
+
+async def run_held_jobs(request: Request, jobs: list[tuple]):
+    """Hold the tokens of every (backend, requests) job at once (one hold: the capacity counts them
+    all), run the jobs, give the hold back. Returns the hold and each job's outputs."""
+    requests = [r for _, job_requests in jobs for r in job_requests]
+    hold = await admit(request, requests)
+    results, lost, generated = None, False, 0
+    try:
+        results = await run_jobs_while_connected(request, jobs)
+        generated = sum(o.num_generated for outputs in results for o in outputs)
+    except BackendLost:
+        lost = True
+        raise
+    except (ClientGone, Timeout) as exc:  # stopped: what was generated until then is charged too
+        generated = getattr(exc, "generated", 0)
+        raise
+    finally:
+        release(request, hold, requests, generated, lost)
+    return hold, results
+
+
+def stream_held(request: Request, backend, requests, hold, k: int, format_deltas, final_chunks) -> StreamingResponse:
+    """The streamed answer of requests already admitted (`hold`): SSE chunks as the backend releases
+    tokens; the hold is given back, and the usage recorded, when the stream ends however it ends."""
+    usage = {"completion": 0, "lost": False}
+
+    def on_end(end, released, lost):
+        usage["completion"] = sum(end.num_generated) if end is not None else released
+        usage["lost"] = lost
+
+    gen = stream_sse(backend, requests, k, request.state.request_id, format_deltas, final_chunks,
+                     timeout=request.app.state.settings.request_timeout or None, on_end=on_end)
+    return HeldStream(gen, lambda: release(request, hold, requests, usage["completion"], usage["lost"]),
+                      media_type="text/event-stream",
+                      headers={"cache-control": "no-cache", "x-accel-buffering": "no", **hold.headers})

@@ -1,0 +1,220 @@
+"""The bodies of the generating routes, /v1/completions and /v1/chat/completions: OpenAI's fields in
+OpenAI's order, then logprobe's and vLLM's extensions in a marked block. Each model is both the route's
+checks (with the contract's messages) and its OpenAPI body schema."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import ConfigDict, Field
+
+from ...config import Limits
+from .. import validation as v
+from ..errors import InvalidRequest
+from .base import DEFAULT_LIMITS as _L, Cap, Neutral, RequestModel, Unbounded, check, parses
+from .sampling import (N, Interventions, Lens, LogprobsMode, LogprobTokenIds, PositionStats, PromptLogprobs,
+                       ResidualStream, ReturnUnmodified, SamplingFields, Seed, Stop, Stream, StreamOptionsField,
+                       Temperature, TokensAsIds, TopK, TopLogprobsP, TopP, User, VocabEncoding)
+
+Prompt = Union[str, list[str], list[int], list[list[int]]]
+PROMPT_TYPE = "a string, an array of strings, an array of integers or an array of arrays of integers"
+ROLES = ("system", "user", "assistant")
+TopLogprobs = Annotated[int | None, Field(None, ge=0, le=_L.max_logprobs), Cap("max_logprobs")]
+
+
+def all_ints(values) -> bool:
+    return all(isinstance(x, int) and not isinstance(x, bool) for x in values)
+
+
+def prompt_list(value, name: str = "prompt") -> list:
+    """A prompt field as a list of strings or a list of token-id lists."""
+    if value is None:
+        raise InvalidRequest(f"Missing required parameter: '{name}'.", name)
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not value:
+        if isinstance(value, list):
+            raise v.value_error(name, f"a non-empty {name}")
+        raise v.type_error(name, PROMPT_TYPE, nullable=False)
+    if all(isinstance(x, str) for x in value):
+        return value
+    if all_ints(value):
+        return [value]
+    if all(isinstance(x, list) and x and all_ints(x) for x in value):
+        return value
+    raise v.type_error(name, PROMPT_TYPE, nullable=False)
+
+
+class CompletionBody(SamplingFields):
+    """POST /v1/completions."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"model": "smollm2-135m", "prompt": "The sky is", "max_tokens": 2, "logprobs": 5, "seed": 1},
+        {"model": "smollm2-135m", "prompt": "Paris is the capital of France.", "max_tokens": 0, "echo": True,
+         "logprobs": 1},
+        {"model": "smollm2-135m", "prompt": [[1, 2, 3]], "max_tokens": 1, "prompt_logprobs": 3},
+        {"model": "smollm2-135m", "prompt": "Answer A or B:", "max_tokens": 1, "temperature": 0,
+         "logprob_token_ids": [330, 389], "position_stats": True, "top_logprobs_p": 0.9},
+    ]})
+
+    model: str = Field(..., description="The model's name or one of its aliases (GET /v1/models).")
+    prompt: Prompt = Field(..., description="A text, texts, token ids, or lists of token ids (one choice "
+                           "set per prompt; cap: --max-prompts).")
+    best_of: Annotated[Literal[1] | None, Neutral(None, 1)] = Field(
+        None, description="Not implemented: accepted as 1 or null.")
+    echo: bool | None = Field(False, description="The prompt in front of the text; with logprobs, its tokens' "
+                              "entries in front of the generated ones.")
+    frequency_penalty: Annotated[Literal[0] | None, Neutral(None, 0)] = Field(
+        None, description="Not implemented: accepted as 0 or null.")
+    logit_bias: Annotated[dict[str, float] | None, Neutral(None, {})] = Field(
+        None, max_length=0, description="Not implemented: accepted as {} or null.")
+    logprobs: Annotated[int | None, Cap("max_logprobs")] = Field(
+        None, ge=0, le=_L.max_logprobs, description="The k likeliest tokens at each generated position, with "
+        "the chosen token's log probability.")
+    max_tokens: Annotated[int | None, Unbounded()] = Field(
+        16, ge=0, description="Tokens to generate; 0 generates nothing (scoring with echo). Bounded by the "
+        "context.")
+    n: N
+    presence_penalty: Annotated[Literal[0] | None, Neutral(None, 0)] = Field(
+        None, description="Not implemented: accepted as 0 or null.")
+    seed: Seed
+    stop: Stop
+    stream: Stream
+    stream_options: StreamOptionsField
+    suffix: Annotated[Literal[""] | None, Neutral("", None)] = Field(
+        None, description="Not implemented: accepted as \"\" or null.")
+    temperature: Temperature
+    top_p: TopP
+    user: User
+    # ---- logprobe / vLLM extensions ----
+    top_k: TopK
+    prompt_logprobs: PromptLogprobs
+    vocab_encoding: VocabEncoding
+    add_special_tokens: bool | None = Field(True, description="Let the tokenizer add its special tokens (BOS) "
+                                            "to a text prompt.")
+    return_tokens_as_token_ids: TokensAsIds
+    output_residual_stream: ResidualStream
+    output_lens: Lens
+    logprob_token_ids: LogprobTokenIds
+    position_stats: PositionStats
+    top_logprobs_p: TopLogprobsP
+    logprobs_mode: LogprobsMode
+    interventions: Interventions
+    return_unmodified: ReturnUnmodified
+
+    @parses("prompt")
+    def parse_prompt(value, limits: Limits) -> list:
+        return prompt_list(value)
+
+    @check
+    def check_num_prompts(self, limits: Limits) -> None:
+        if len(self.prompt) > limits.max_prompts:
+            raise InvalidRequest(f"Too many prompts: this server takes at most {limits.max_prompts} prompts "
+                                 f"in one request (max_prompts), and this one has {len(self.prompt)}.", "prompt")
+
+
+class TextPart(RequestModel):
+    type: Literal["text"]
+    text: str
+
+
+class Message(RequestModel):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+
+class ChatBody(SamplingFields):
+    """POST /v1/chat/completions."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4,
+         "logprobs": True, "top_logprobs": 2},
+    ]})
+
+    model: str = Field(..., description="The model's name or one of its aliases.")
+    messages: list[Message] = Field(..., min_length=1, description="Rendered with the model's chat template.")
+    frequency_penalty: Annotated[Literal[0] | None, Neutral(None, 0)] = Field(
+        None, description="Not implemented: accepted as 0 or null.")
+    logit_bias: Annotated[dict[str, float] | None, Neutral(None, {})] = Field(
+        None, max_length=0, description="Not implemented: {} or null.")
+    logprobs: bool | None = Field(False, description="Log probabilities of the reply's tokens.")
+    top_logprobs: TopLogprobs = Field(description="The k likeliest at each position (needs logprobs: true).")
+    max_tokens: Annotated[int | None, Unbounded()] = Field(
+        None, ge=0, description="The older name of max_completion_tokens.")
+    max_completion_tokens: Annotated[int | None, Unbounded()] = Field(
+        None, ge=0, description="Tokens to generate; default: the rest of the context.")
+    n: N
+    presence_penalty: Annotated[Literal[0] | None, Neutral(None, 0)] = Field(
+        None, description="Not implemented: accepted as 0 or null.")
+    response_format: Annotated[dict | None, Neutral(None, {"type": "text"})] = Field(
+        None, description="Not implemented: {\"type\": \"text\"} or null.")
+    seed: Seed
+    service_tier: Annotated[Literal["auto"] | None, Neutral(None, "auto")] = Field(
+        None, description="Not implemented: \"auto\" or null.")
+    stop: Stop
+    store: Annotated[Literal[False] | None, Neutral(None, False)] = Field(
+        None, description="Not implemented: false or null.")
+    stream: Stream
+    stream_options: StreamOptionsField
+    temperature: Temperature
+    top_p: TopP
+    tools: Annotated[list[dict] | None, Neutral(None, [])] = Field(
+        None, max_length=0, description="Not implemented: [] or null.")
+    tool_choice: Annotated[Literal["none"] | None, Neutral(None, "none")] = Field(
+        None, description="Not implemented: \"none\" or null.")
+    parallel_tool_calls: Annotated[Literal[False] | None, Neutral(None, False)] = Field(
+        None, description="Not implemented: false or null.")
+    user: User
+    metadata: Annotated[dict | None, Neutral(None, {})] = Field(
+        None, max_length=0, description="Not implemented: {} or null.")
+    # ---- logprobe / vLLM extensions ----
+    top_k: TopK
+    prompt_logprobs: PromptLogprobs
+    vocab_encoding: VocabEncoding
+    return_tokens_as_token_ids: TokensAsIds
+    output_residual_stream: ResidualStream
+    output_lens: Lens
+    logprob_token_ids: LogprobTokenIds
+    position_stats: PositionStats
+    top_logprobs_p: TopLogprobsP
+    logprobs_mode: LogprobsMode
+    interventions: Interventions
+    return_unmodified: ReturnUnmodified
+
+    @parses("messages")
+    def parse_messages(value, limits: Limits) -> list[dict]:
+        """Each message as {"role", "content"}, text parts joined."""
+        if value is None:
+            raise InvalidRequest("Missing required parameter: 'messages'.", "messages")
+        if not isinstance(value, list) or not value:
+            raise InvalidRequest("Invalid value for 'messages': expected a non-empty array of messages.", "messages")
+        out = []
+        for i, msg in enumerate(value):
+            where = f"messages[{i}]"
+            if not isinstance(msg, dict):
+                raise InvalidRequest(f"Invalid type for '{where}': expected an object.", "messages")
+            role, content = msg.get("role"), msg.get("content")
+            if role not in ROLES:
+                raise InvalidRequest(f"Invalid value for '{where}.role': expected one of {', '.join(ROLES)}.",
+                                     "messages")
+            extra = set(msg) - set(Message.model_fields)
+            if extra:
+                raise InvalidRequest(f"Unrecognized request argument supplied: {where}.{sorted(extra)[0]}",
+                                     "messages")
+            if isinstance(content, list):  # OpenAI content parts: text only
+                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                           for p in content):
+                    raise InvalidRequest(f"Invalid value for '{where}.content': only text parts are supported.",
+                                         "messages")
+                content = "".join(p["text"] for p in content)
+            if not isinstance(content, str):
+                raise InvalidRequest(f"Invalid type for '{where}.content': expected a string.", "messages")
+            out.append({"role": role, "content": content})
+        return out
+
+    @check
+    def check_top_logprobs(self, limits: Limits) -> None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequest("Invalid value for 'top_logprobs': 'logprobs' must be true when 'top_logprobs' "
+                                 "is set.", "top_logprobs")

@@ -1,0 +1,122 @@
+"""The bodies of the routes that read a given text without generating: /v1/score and /v1/compare."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import ConfigDict, Field
+
+from ...config import Limits
+from .. import validation as v
+from ..errors import InvalidRequest
+from .base import RequestModel, check, parses
+from .completions import Prompt, TopLogprobs, all_ints, prompt_list
+from .sampling import ResidualStream, SamplingFields, TokensAsIds, User
+
+
+class ScoreBody(RequestModel):
+    """POST /v1/score."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"model": "smollm2-135m", "input": "a stitch in time saves nine", "top_logprobs": 2},
+        {"model": "smollm2-135m", "context": "Question: 2 + 2 = ?\nAnswer:", "input": [" 4", " 5"]},
+    ]})
+
+    model: str = Field(..., description="The model's name or one of its aliases.")
+    input: Prompt = Field(..., description="The text(s) or token ids to score (cap: --max-prompts).")
+    context: str | list[str] | None = Field(None, description="Conditioned on but not scored: one for every "
+                                            "input, or one per input.")
+    user: User
+    # ---- logprobe extensions ----
+    add_bos: bool | None = Field(True, description="Put the model's BOS (or EOS) in front, so the first token "
+                                 "is scored.")
+    top_logprobs: TopLogprobs = Field(description="The k likeliest at each position.")
+    output_residual_stream: ResidualStream = Field(description="Activations at these layers.")
+    return_tokens_as_token_ids: TokensAsIds
+
+    parse_residual = staticmethod(SamplingFields.parse_residual)
+
+    @parses("input")
+    def parse_input(value, limits: Limits) -> list:
+        return prompt_list(value, "input")
+
+    @parses("context")
+    def parse_context(value, limits: Limits) -> list[str] | str | None:
+        if value is None or isinstance(value, str) or (isinstance(value, list)
+                                                       and all(isinstance(c, str) for c in value)):
+            return value
+        raise v.type_error("context", "a string or an array of strings")
+
+    @check
+    def check_contexts(self, limits: Limits) -> None:
+        if isinstance(self.context, list) and len(self.context) != len(self.input):
+            raise InvalidRequest(f"Invalid value for 'context': {len(self.context)} contexts for {len(self.input)} "
+                                 "inputs; send one context, or one per input.", "context")
+        if len(self.input) > limits.max_prompts:
+            raise InvalidRequest(f"Too many inputs: this server takes at most {limits.max_prompts} inputs in one "
+                                 f"request (max_prompts), and this one has {len(self.input)}.", "input")
+
+    @property
+    def contexts(self) -> list[str | None]:
+        """One context per input."""
+        if isinstance(self.context, list):
+            return list(self.context)
+        return [self.context] * len(self.input)
+
+
+class CompareBody(RequestModel):
+    """POST /v1/compare."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"models": ["base", "tuned"], "input": "The cat sat on the mat."},
+        {"models": ["base", "tuned"], "context": "Question: 2 + 2 = ?\nAnswer:", "input": " 4"},
+    ]})
+
+    models: list[str] = Field(..., min_length=2, max_length=2, description="Two different served models "
+                              "(names or aliases) that share a tokenizer: p is the first, q the second.")
+    input: str | list[int] = Field(..., description="The text or token ids compared (cap: the models' "
+                                   "limits.vocab_positions tokens, context included).")
+    context: str | None = Field(None, description="Conditioned on but not compared; tokenized apart from the "
+                                "input and put in front.")
+    stream: Literal[False] | None = Field(None, description="Not offered: false or null.")
+    user: User
+    # ---- logprobe extensions ----
+    add_special_tokens: bool | None = Field(True, description="Let the tokenizer add its special tokens (BOS) "
+                                            "in front of the text.")
+    return_tokens_as_token_ids: TokensAsIds
+
+    @classmethod
+    def check_known_fields(cls, body: dict) -> None:
+        if "model" in body and "models" not in body:
+            raise InvalidRequest("/v1/compare takes 'models', the two models to compare (an array of two names), "
+                                 "not 'model'.", "model")
+        super().check_known_fields(body)
+
+    @parses("models")
+    def parse_models(value, limits: Limits) -> list[str]:
+        if value is None:
+            raise InvalidRequest("Missing required parameter: 'models'.", "models")
+        if not isinstance(value, list) or not all(isinstance(m, str) for m in value):
+            raise v.type_error("models", "an array of two model names", nullable=False)
+        if len(value) != 2:
+            raise InvalidRequest(f"Invalid value for 'models': expected two model names, got {len(value)}.",
+                                 "models")
+        return list(value)
+
+    @parses("input")
+    def parse_input(value, limits: Limits) -> str | list[int]:
+        if value is None:
+            raise InvalidRequest("Missing required parameter: 'input'.", "input")
+        if isinstance(value, list) and value and all_ints(value):
+            return list(value)
+        if not isinstance(value, str):
+            if isinstance(value, list) and not value:
+                raise v.value_error("input", "a non-empty input")
+            raise v.type_error("input", "a string or an array of token ids", nullable=False)
+        return value
+
+    @parses("stream")
+    def parse_stream(value, limits: Limits) -> bool:
+        if v.get_bool({"stream": value}, "stream", False):
+            raise InvalidRequest("/v1/compare does not stream: send the request without 'stream': true.", "stream")
+        return False

@@ -1,0 +1,348 @@
+"""The engine's core: the step loop, on the engine thread only, and what one step does.
+
+A step is schedule (scheduler.py: which groups, which prompt chunks), run (the runner's forward passes),
+pick (the tokens, chosen on the device and brought to the host in one array, picks.py) and record
+(output_processor.py, no torch: tokens, stops, finish). Per-request work after a shared pass runs in
+`_each`, so a failure there fails that request only; a failure of the shared pass fails the step's
+requests and resets the runner. Engine (engine.py) adds the model, the thread and the async front.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+
+import numpy as np
+import torch
+
+from ..backend import ModelInfo, RequestAborted, SamplingParams
+from ..tokens import TokenTable
+from .captures import capture_finished
+from .instruments import pick_with_instruments
+from .interventions import Edits
+from .output_processor import OutputProcessor
+from .picks import Pick, split_picks
+from .request import SequenceGroup
+from .sampler import BatchSettings, pick as pick_on_device
+from .scheduler import Chunk, Plan, Scheduler
+
+log = logging.getLogger("logprobe.engine")
+
+
+class EngineCore:
+    IDLE_WAIT_S = 0.5  # an empty inbox for this long after work is "idle"
+    SELF_CHECK_RETRY_S = 10.0  # while failing and idle, a self-check at most this often
+
+    def __init__(self, runner, info: ModelInfo, table: TokenTable, check_ids: list[int]):
+        self.runner = runner
+        self.info = info
+        self.table = table
+        # a runner that prefills in chunks says how many tokens it takes per step beside decoding rows
+        self.scheduler = Scheduler(prefill_chunk_tokens=getattr(runner, "PREFILL_CHUNK", None))
+        self.outputs = OutputProcessor(info.context_length)
+        self._inbox: queue.SimpleQueue[SequenceGroup | None] = queue.SimpleQueue()
+        self._stopping = False
+        self._alive = lambda: True
+        self._looping = False
+        self.num_steps = 0
+        self.step_observer = None  # called on the engine thread with (seconds, rows) after each step
+        self.failure_observer = None  # called on the engine thread with "step" or "request" after a failure
+        # Health: a step that fails (a bug in a shared pass or in shared state) fails the requests in it,
+        # resets the runner's shared state and queues a self-check; the engine is "failing" from that
+        # failure until a step succeeds again.
+        self.step_failures = 0
+        self.request_failures = 0
+        self.last_error: tuple[str, float] | None = None  # (exception class, time.time())
+        self.failing = False
+        self._check_due: float | None = None  # when the next self-check may run (while failing)
+        self._check_ids = check_ids
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        if self._looping:
+            raise RuntimeError("the engine's step loop is already running")
+        self._looping = True
+        try:
+            with torch.inference_mode():  # nothing on this thread needs autograd
+                self._run_steps()
+        finally:
+            self._looping = False
+
+    def _run_steps(self) -> None:
+        trimmed_at = self.num_steps
+        while not self._stopping and self._alive():
+            idle = not self.scheduler.has_work
+            self._drain_inbox(block=idle)
+            if idle and not self.scheduler.has_work:
+                if self._check_due is not None and time.monotonic() >= self._check_due:
+                    self._queue_self_check()
+                elif self.num_steps != trimmed_at:
+                    # idle for IDLE_WAIT_S after work: shrink the KV cache and hand freed memory back to
+                    # the OS (not between back-to-back requests: malloc_trim costs milliseconds)
+                    self.runner.on_idle()
+                    trim_heap()
+                    trimmed_at = self.num_steps
+                continue
+            self._linger()
+            plan = self.scheduler.schedule()
+            for group in self.scheduler.take_dropped():  # aborted: whoever awaits them learns it
+                self.runner.release(group)
+                if group.error is None:
+                    group.error = RequestAborted(group.request_id)
+                self._finish(group)
+            if plan is not None:
+                self._run_step(plan)
+
+    def _run_step(self, plan: Plan) -> None:
+        num_rows, t0 = plan.num_rows, time.perf_counter()
+        try:
+            self.step(plan)
+        except Exception as exc:  # a bug in a shared pass: fail its requests, reset, check
+            log.exception("engine step failed for %s", ", ".join(g.request_id for g in plan.groups))
+            self._step_failed(plan.groups, exc)
+            return
+        if not self.runner.is_consistent(self.scheduler.running):
+            # a request's failure after the shared pass left shared state out of step
+            exc = RuntimeError("the KV cache is out of step with the running requests")
+            log.error("%s after a step of %s", exc, ", ".join(g.request_id for g in plan.groups))
+            self._step_failed(plan.groups, exc)
+            return
+        self.failing, self._check_due = False, None
+        if self.step_observer is not None:
+            self.step_observer(time.perf_counter() - t0, num_rows)
+
+    def _linger(self) -> None:
+        """Wait (up to the scheduler's `linger_s`) for the requests the scheduler expects
+        (`Scheduler.should_linger`)."""
+        if not self.scheduler.should_linger():
+            return
+        deadline = time.perf_counter() + self.scheduler.linger_s
+        while self.scheduler.should_linger():
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                return
+            try:
+                item = self._inbox.get(timeout=left)
+            except queue.Empty:
+                return
+            if item is None:  # a stop request's wake-up
+                return
+            self.scheduler.add(item)
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=self.IDLE_WAIT_S) if block else self._inbox.get_nowait()
+            while True:
+                if item is not None:
+                    self.scheduler.add(item)
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            return
+
+    # ---- one step: run, pick, record ------------------------------------------------------------
+    def step(self, plan: Plan) -> None:
+        """One engine step: one decode step for every running group, the next chunk of the prompts being
+        prefilled (several short prompts share one forward pass), and a batch of prompt-only groups."""
+        self.num_steps += 1
+        self._resolve_edits(plan)
+        # Decode first: the batch is then exactly the running groups' rows (a group whose prompt
+        # finishes in this step joins the batch in the next one).
+        if plan.decode:
+            self._decode(plan.decode)
+        if plan.prefill:
+            self._prefill(plan.prefill)
+        if plan.score:
+            self._score(plan.score)
+
+    def _decode(self, groups: list[SequenceGroup]) -> None:
+        k = max(g.params.logprobs or 0 for g in groups)
+        if any(g.has_instruments for g in groups):
+            logprob_rows, host = self.runner.decode_groups(groups), None
+        else:  # the runner may pick the tokens in its recorded pass
+            logprob_rows, host = self.runner.decode_and_pick(groups, k)
+        if host is None:
+            picks = self._pick(groups, logprob_rows)
+        else:
+            picks = self._split(groups, [i for i, g in enumerate(groups) if g.active_rows], host, k)
+        for group, rows, pick in zip(groups, logprob_rows, picks):
+            self._each(group, self._decoded, rows, pick)
+
+    def _pick(self, groups: list[SequenceGroup], logprob_rows: list[torch.Tensor]) -> list[Pick | None]:
+        """The tokens of every active row of the plain groups (those whose request asked for no
+        instrument) with their log probabilities and top-k, computed for all of them at once on the
+        device and brought to the host in one transfer. None for the other groups."""
+        plain = [i for i, g in enumerate(groups) if not g.has_instruments and g.active_rows]
+        if not plain:
+            return [None] * len(groups)
+        rows = logprob_rows[plain[0]] if len(plain) == 1 else torch.cat([logprob_rows[i] for i in plain])
+        seqs = [groups[i].sequences[j] for i in plain for j in groups[i].active_rows]
+        params = [groups[i].params for i in plain for _ in groups[i].active_rows]
+        seeds = None if all(p.is_greedy for p in params) else [s.next_seed() for s in seqs]
+        k = max(groups[i].params.logprobs or 0 for i in plain)
+        settings = BatchSettings.of(params, rows.shape[-1], rows.device, seeds)
+        host = pick_on_device(rows, settings, k).cpu().numpy()  # the step's one transfer
+        return self._split(groups, plain, host, k)
+
+    @staticmethod
+    def _split(groups: list[SequenceGroup], plain: list[int], host: np.ndarray, k: int) -> list[Pick | None]:
+        """The host array of the active rows of `groups[i]` for i in `plain` (in that order) as a Pick per
+        group, None for the others."""
+        picks: list[Pick | None] = [None] * len(groups)
+        split = split_picks(host, [len(groups[i].active_rows) for i in plain],
+                            [groups[i].params.logprobs or 0 for i in plain], k)
+        for i, pick in zip(plain, split):
+            picks[i] = pick
+        return picks
+
+    def _decoded(self, group: SequenceGroup, logprob_rows: torch.Tensor, pick: Pick | None) -> None:
+        self._record(group, logprob_rows, pick)
+        self._after_step(group)
+
+    def _record(self, group: SequenceGroup, logprob_rows: torch.Tensor, pick: Pick | None) -> None:
+        """Hand the rows' pick to the output processor (picking them first for a request that asked for
+        instruments); the runner drops the rows of the sequences that finished."""
+        if pick is None:
+            seeds = [group.sequences[i].next_seed() for i in group.active_rows]
+            pick = pick_with_instruments(logprob_rows, group.params, seeds, group.params.logprobs or 0)
+        num_rows = len(group.active_rows)
+        keep = self.outputs.record(group, pick)
+        if keep and len(keep) < num_rows:
+            self.runner.select(group, keep)
+
+    def _prefill(self, chunks: list[Chunk]) -> None:
+        for chunk, logprob_rows in zip(chunks, self.runner.prefill_chunks(chunks)):
+            if logprob_rows is not None:  # the prompt is done: [1, V] for its first token
+                self._each(chunk.group, self._prefilled, logprob_rows)
+
+    def _prefilled(self, group: SequenceGroup, logprob_rows: torch.Tensor) -> None:
+        if group.params.max_tokens == 0:
+            self.outputs.finish_prompt_only(group)
+        else:
+            self.outputs.start_decoding(group)
+            self.runner.expand(group, len(group.active_rows))
+            rows = logprob_rows.expand(len(group.active_rows), -1)
+            self._record(group, rows, self._pick([group], [rows])[0])
+        self.scheduler.prefilled(group)
+        self._after_step(group)
+
+    def _score(self, groups: list[SequenceGroup]) -> None:
+        self.runner.prefill_batch(groups)
+        for group in groups:
+            self.outputs.finish_prompt_only(group)
+            self._each(group, self._after_step)
+
+    def _resolve_edits(self, plan: Plan) -> None:
+        """A request's interventions made ready for its passes (a patch's vector read from a clean pass
+        over its source prompt), before its first pass; a request whose edits fail leaves the plan."""
+        for group in [c.group for c in plan.prefill] + plan.score:
+            if group.params.interventions and group.edits is None:
+                self._each(group, self._resolve)
+        plan.prefill = [c for c in plan.prefill if c.group.error is None]
+        plan.score = [g for g in plan.score if g.error is None]
+
+    def _resolve(self, group: SequenceGroup) -> None:
+        group.edits = Edits.resolve(group.params.interventions, group.num_prompt_tokens, self.runner.device,
+                                    lambda ids, layer: self.runner.residual_stream(ids, [layer])[layer])
+
+    def _after_step(self, group: SequenceGroup) -> None:
+        if group.is_finished:
+            self.runner.release(group)
+            self.scheduler.finished(group)
+            capture_finished(self.runner, group, self.info.num_layers)
+        if group.on_step is not None:
+            try:
+                group.on_step(group)
+            except Exception:  # the front's callback failed (e.g. its event loop is gone): not our step's fault
+                log.exception("on_step callback failed for %s", group.request_id)
+                group.is_aborted = True
+        if group.is_finished:
+            self._finish(group)
+
+    # ---- failures ----------------------------------------------------------------------------
+    def _each(self, group: SequenceGroup, work, *args) -> None:
+        """Per-request work after a shared pass (recording tokens, instruments, stops, callbacks): a
+        failure fails this request only."""
+        try:
+            work(group, *args)
+        except Exception as exc:
+            log.exception("request %s failed", group.request_id)
+            self.request_failures += 1
+            self.last_error = (type(exc).__name__, time.time())
+            if self.failure_observer is not None:
+                self.failure_observer("request")
+            self._fail(group, exc)
+
+    def _fail(self, group: SequenceGroup, exc: BaseException) -> None:
+        group.error = exc
+        try:
+            self.runner.release(group)
+        except Exception:
+            log.exception("releasing %s failed", group.request_id)
+        finally:
+            self.scheduler.finished(group)
+            self._finish(group)
+
+    def _finish(self, group: SequenceGroup) -> None:
+        if group.on_finish is not None:
+            try:
+                group.on_finish(group)
+            except Exception:  # never let a request's callback stop the loop that serves the others
+                log.exception("on_finish callback failed for %s", group.request_id)
+
+    def _step_failed(self, groups: list[SequenceGroup], exc: Exception) -> None:
+        """Fail the step's requests and every other one holding shared state, rebuild that state (the
+        KV cache) from nothing, and queue a self-check: a failure never leaves the engine half-broken,
+        and /health says "failing" until a step succeeds."""
+        self.step_failures += 1
+        self.failing = True
+        self.last_error = (type(exc).__name__, time.time())
+        if self.failure_observer is not None:
+            self.failure_observer("step")
+        holding = {id(g): g for g in [*groups, *self.scheduler.running, *self.scheduler.prefilling]}
+        for group in holding.values():
+            if not group.is_finished and group.error is None:
+                self._fail(group, exc)
+            else:
+                self.scheduler.finished(group)
+        try:
+            self.runner.reset()
+        except Exception:
+            log.exception("resetting the runner failed")
+        if self._check_due is None:  # the first failure after a success: check at the next idle moment
+            self._check_due = time.monotonic()
+
+    def _queue_self_check(self) -> None:
+        """A two-token greedy generation through the same paths as a request (prefill, a cache row,
+        decode): its steps succeeding clear "failing"; failing again keeps it (retried later)."""
+        self._check_due = time.monotonic() + self.SELF_CHECK_RETRY_S
+        params = SamplingParams(max_tokens=2, temperature=0.0)
+        self.scheduler.add(SequenceGroup("self-check", list(self._check_ids), params, self.table))
+
+    @property
+    def health(self) -> dict:
+        """What /health reports of the engine: failing or not, and its failures so far."""
+        out = {"failing": self.failing, "step_failures": self.step_failures,
+               "request_failures": self.request_failures}
+        if self.last_error is not None:
+            out["last_error"] = {"type": self.last_error[0], "at": round(self.last_error[1], 3)}
+        return out
+
+
+def _load_malloc_trim():
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+_MALLOC_TRIM = _load_malloc_trim()
+
+
+def trim_heap() -> None:
+    """glibc keeps freed memory in its arenas, so a server's RSS only grows with the largest batches it
+    has seen; malloc_trim returns it (a few ms, only when the engine goes idle)."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)

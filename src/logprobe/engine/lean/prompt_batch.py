@@ -1,0 +1,253 @@
+"""Prompt-only groups (scoring, echo with max_tokens 0) on the lean runner: one right-padded pass, no KV
+cache kept for decoding, and prompts' first tokens run once where they can be shared.
+
+A prompt's first tokens can skip the blocks two ways (`PromptBatches.run_shared` then runs the batch):
+prompts of the batch that begin with the same tokens (one context, several continuations: a
+multiple-choice question) share that prefix's pass, and a prompt that begins with a prefix kept in the
+prefix cache (prefix_cache.py) from an earlier batch attends to its keys and values (lm-evaluation-harness
+sorts requests by length, so the answers of one question mostly come in different batches). A prompt
+uses the batch's shared prefix where it is longer than its kept one, else the kept one (a header every
+question begins with, kept, must not undo the sharing of a question's whole context within the batch).
+After the pass, each shared prefix and each prompt's own whole blocks go into the cache (`Seeds`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..interventions import segment_editor
+from ..prefix_cache import BLOCK
+from ..prompt_columns import copy_rows
+from ..request import SequenceGroup
+from .attention import PassMeta, PrefixedKV
+
+
+class PromptBatches:
+    """The prompt-only passes of a `LeanRunner`."""
+
+    SHARED_PREFIX_MIN = 16  # prompt-only prompts sharing at least this many first tokens share their pass
+
+    def __init__(self, runner):
+        self.runner = runner
+
+    def run(self, groups: list[SequenceGroup]) -> None:
+        """Fill each group's prompt columns (where it asks for them) from one right-padded pass. The plain
+        causal mask is enough: padding sits after each prompt, so a real position never sees it (padded
+        positions' outputs are dropped)."""
+        runner, cache = self.runner, self.runner.prefix_cache
+        # A group with interventions runs a modified forward pass: its keys and values are not those of
+        # its tokens alone, so it neither uses nor seeds the prefix cache, nor shares a prefix in the batch.
+        plain = [i for i, g in enumerate(groups) if not g.params.interventions]
+        hits = {}
+        for i in plain:
+            hit = cache.lookup(groups[i].prompt_ids)
+            if hit is not None:
+                hits[i] = hit
+        clusters, taken = [], set()
+        for length, members in shared_prefixes([groups[i].prompt_ids for i in plain], self.SHARED_PREFIX_MIN):
+            members = [i for i in (plain[j] for j in members) if i not in hits or hits[i][0] < length]
+            if len(members) > 1:
+                clusters.append((length, members))
+                taken.update(members)
+        kept: dict[tuple, tuple] = {}  # the other hits, by prefix: a cluster whose prefix's pass was run before
+        for i, (length, keys, values, hidden) in hits.items():
+            if i not in taken:
+                key = (length, tuple(groups[i].prompt_ids[:length]))
+                kept.setdefault(key, (length, [], (keys, values, hidden)))[1].append(i)
+        clusters += kept.values()
+        if clusters:
+            return self.run_shared(groups, clusters)
+        lengths = [g.num_prompt_tokens for g in groups]
+        longest = max(lengths)
+        ids = torch.zeros((len(groups), longest), dtype=torch.long)
+        for row, g in enumerate(groups):
+            ids[row, :lengths[row]] = torch.tensor(g.prompt_ids, dtype=torch.long)
+        ids = ids.to(runner.device)
+        firsts = [0] * len(groups)
+        seeds = Seeds(self, groups, plain, firsts, {}, {})
+        meta = PassMeta(torch.arange(longest, device=runner.device)[None].expand(len(groups), -1),
+                        runner.attention.causal_masks(longest), keep=seeds.keep if seeds else None)
+        edit = segment_editor([(row, 0, lengths[row], g.edits) for row, g in enumerate(groups)])
+        hidden = runner.forward(ids, meta, edit=edit)
+        for row, g in enumerate(groups):
+            if g.params.needs_prompt_logits:
+                n = lengths[row]
+                g.prompt_columns = runner.columns.whole(hidden[row, :n], ids[row, :n], g.params)
+        seeds.insert(hidden)
+
+    def run_shared(self, groups: list[SequenceGroup], clusters: list[tuple]) -> None:
+        """`clusters`: (length, members) for a prefix the members share within the batch, or (length,
+        members, (keys, values, hidden)) for one kept in the prefix cache. Each shared prefix runs once
+        (its keys, values and final hidden states kept); a kept one does not run at all. Then every
+        prompt's own tokens run in one right-padded pass whose rows attend to their prefix's keys and
+        values and to their own, at their true positions (a row without a prefix attends to its own
+        only). Each group's columns come from its prefix's hidden states and its own, as from one pass
+        (the prefix's rows through the head here, whether its blocks ran here or in an earlier batch)."""
+        runner = self.runner
+        prefix_of = {}  # group index -> (prefix length, keys per layer, values per layer, hidden [P, D])
+        ran = []  # the batch's shared prefixes, for the prefix cache: (ids, keys, values, hidden)
+        copies = {}  # group index -> tokens of its prefix an entry of its own blocks would hold twice
+        for length, members, *kept in clusters:
+            if kept:
+                keys, values, hidden = kept[0]
+                copies.update((m, length) for m in members
+                              if runner.prefix_cache.branches(groups[m].prompt_ids, length))
+            else:
+                copies.update((m, length) for m in members)
+                prefix = groups[members[0]].prompt_ids[:length]
+                keys, values, hidden = self.run_prefix(prefix)
+                ran.append((prefix, keys, values, hidden))
+            for m in members:
+                prefix_of[m] = (length, keys, values, hidden)
+        firsts = [prefix_of[i][0] if i in prefix_of else 0 for i in range(len(groups))]
+        own = [g.num_prompt_tokens - first for g, first in zip(groups, firsts)]
+        ids = torch.zeros((len(groups), max(own)), dtype=torch.long)
+        for row, g in enumerate(groups):
+            ids[row, :own[row]] = torch.tensor(g.prompt_ids[firsts[row]:], dtype=torch.long)
+        seeds = Seeds(self, groups, [i for i, g in enumerate(groups) if not g.params.interventions], firsts, copies,
+                      prefix_of)
+        meta = self.prepare_prefixed(firsts, own, prefix_of)
+        meta.keep = seeds.keep if seeds else None
+        # rows with interventions have no prefix: their own tokens are the whole prompt, from position 0
+        edit = segment_editor([(row, 0, own[row], g.edits) for row, g in enumerate(groups)])
+        hidden = runner.forward(ids.to(runner.device), meta, edit=edit)
+        done: list[tuple] = []  # (prefix hidden, params, columns with the prefix's rows filled)
+        for row, g in enumerate(groups):
+            if not g.params.needs_prompt_logits:
+                continue
+            full = torch.tensor(g.prompt_ids, dtype=torch.long, device=runner.device)
+            mine = hidden[row, :own[row]]
+            if row not in prefix_of:
+                g.prompt_columns = runner.columns.whole(mine, full, g.params)
+                continue
+            # Rows 1..P-1 (the prefix's own tokens) are the same for every prompt of the prefix: reduced
+            # once per prefix and settings, copied; rows P.. (predicted from the prefix's last state on)
+            # are this prompt's own.
+            length, _, _, prefix_hidden = prefix_of[row]
+            cols = runner.columns.new(g.num_prompt_tokens, g.params)
+            filled = next((c for h, p, c in done if h is prefix_hidden and p == g.params), None)
+            if filled is None:
+                runner.columns.fill(cols, prefix_hidden[:length - 1], full, 0)
+                done.append((prefix_hidden, g.params, cols))
+            else:
+                copy_rows(filled, cols, 1, length)
+            runner.columns.fill(cols, torch.cat([prefix_hidden[length - 1:], mine]), full, length - 1)
+            g.prompt_columns = cols
+        seeds.insert(hidden)
+        for prefix, keys, values, prefix_hidden in ran:  # after the prompts' own blocks: a shared prefix
+            runner.prefix_cache.insert(prefix, keys, values, prefix_hidden)  # one of them holds is not kept twice
+
+    def run_prefix(self, prefix: list[int]) -> tuple[list, list, torch.Tensor]:
+        """A shared prefix's own pass: its keys and values per layer ([KV, P, d]) and hidden states [P, D]."""
+        runner, length = self.runner, len(prefix)
+        keys, values = [None] * len(runner.blocks), [None] * len(runner.blocks)
+
+        def keep(layer, k, v):
+            keys[layer], values[layer] = k[0], v[0]
+
+        meta = PassMeta(torch.arange(length, device=runner.device)[None], runner.attention.causal_masks(length),
+                        keep=keep)
+        hidden = runner.forward(torch.tensor([prefix], dtype=torch.long).to(runner.device), meta)[0]
+        return keys, values, hidden
+
+    def prepare_prefixed(self, firsts: list[int], own: list[int], prefix_of: dict) -> PassMeta:
+        """The pass of each row's own tokens after its prefix of firsts[row] positions: keys are [prefix
+        slots 0..longest prefix - 1 | own slots], each row's own at its true positions."""
+        runner, device = self.runner, self.runner.device
+        rows, longest_own, longest_prefix = len(own), max(own), max(firsts)
+        first = torch.tensor(firsts, device=device)[:, None]
+        step = torch.arange(longest_own, device=device)[None]
+        positions = first + step  # [rows, own]
+        # each key's position, and whether it is real
+        slot = torch.arange(longest_prefix, device=device)[None]
+        key_positions = torch.cat([slot.expand(rows, -1), positions], dim=1)
+        key_real = torch.cat([slot < first, step < torch.tensor(own, device=device)[:, None]], dim=1)
+        seen = key_real[:, None, :] & (key_positions[:, None, :] <= positions[:, :, None])  # [rows, own, keys]
+        masks = runner.attention.row_masks(seen, positions[:, :, None], key_positions[:, None, :])
+        kv = PrefixedKV((rows, runner.kv_heads, longest_prefix, runner.head_dim), prefix_of)
+        return PassMeta(positions, masks, kv=kv)
+
+
+class Seeds:
+    """The rows of a pass whose own whole blocks go into the prefix cache, their keys and values kept
+    layer by layer during the pass (`keep`) and inserted after it (`insert`). A row of `plain` (no
+    interventions) is one whose first m tokens (m: its length cut to whole blocks) add a block at least
+    to its prefix (`firsts[row]`: from the batch or the cache, 0 for none), and no fewer tokens than they
+    would hold a second time (`copies[row]`: its prefix, where the batch shares it or a kept entry goes
+    on past it), that no entry holds already and no earlier row of the batch seeds.
+
+    Entries do not share memory, so a branch off a kept prefix holds the prefix again: with every
+    answer seeding its own blocks, benchmarks/multiple_choice.py's answers in separate batches left
+    57 entries of 4.4 MB for 24 questions (252 MB) instead of 24, and a question's later answers seldom
+    reach a block past where they part. An entry that only extends a kept one replaces it."""
+
+    def __init__(self, batches: PromptBatches, groups: list[SequenceGroup], plain: list[int], firsts: list[int],
+                 copies: dict[int, int], prefix_of: dict):
+        cache, num_layers = batches.runner.prefix_cache, len(batches.runner.blocks)
+        self.cache, self.groups, self.firsts, self.prefix_of = cache, groups, firsts, prefix_of
+        self.rows: list[tuple] = []  # (row, m, keys per layer, values per layer)
+        seen = set()
+        if not cache.enabled:
+            return
+        for row in plain:
+            ids = groups[row].prompt_ids
+            m = len(ids) // BLOCK * BLOCK
+            if (m - firsts[row] >= max(BLOCK, copies.get(row, 0)) and tuple(ids[:m]) not in seen
+                    and not cache.covers(ids[:m])):
+                seen.add(tuple(ids[:m]))
+                self.rows.append((row, m, [None] * num_layers, [None] * num_layers))
+
+    def __bool__(self) -> bool:
+        return bool(self.rows)
+
+    def keep(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Copy each seed row's keys and values of `layer` (k, v: [rows, KV, T, d] of the pass, after the
+        row's prefix of firsts[row] positions) out of the batch: [KV, m, d], its prefix's in front."""
+        for row, m, keys, values in self.rows:
+            first = self.firsts[row]
+            mine_k, mine_v = k[row, :, :m - first], v[row, :, :m - first]
+            if first:
+                _, prefix_k, prefix_v, _ = self.prefix_of[row]
+                keys[layer] = torch.cat([prefix_k[layer][:, :first], mine_k], dim=1)
+                values[layer] = torch.cat([prefix_v[layer][:, :first], mine_v], dim=1)
+            else:
+                keys[layer] = mine_k.clone(memory_format=torch.contiguous_format)
+                values[layer] = mine_v.clone(memory_format=torch.contiguous_format)
+
+    def insert(self, hidden: torch.Tensor) -> None:
+        """Put the seed rows' keys, values and final-normed hidden states ([rows, T, D] of the pass, after
+        each row's prefix) into the prefix cache."""
+        for row, m, keys, values in self.rows:
+            first = self.firsts[row]
+            mine = hidden[row, :m - first]
+            states = torch.cat([self.prefix_of[row][3][:first], mine]) if first else mine
+            self.cache.insert(self.groups[row].prompt_ids[:m], keys, values, states)
+
+
+def shared_prefixes(prompts: list[list[int]], minimum: int) -> list[tuple[int, list[int]]]:
+    """[(prefix length, indices of the prompts that begin with it)] for runs of at least two prompts whose
+    common first tokens number at least `minimum`; each prompt keeps one token of its own at least (the
+    state before it predicts it). Prompts are taken in sorted order, so a context's continuations meet
+    whatever order they came in."""
+    order = sorted(range(len(prompts)), key=lambda i: prompts[i])
+    clusters, run, length = [], [], 0
+    for i in order:
+        if run:
+            common = _common(prompts[run[0]], prompts[i], min(length, len(prompts[i]) - 1))
+            if common >= minimum:
+                run.append(i)
+                length = common
+                continue
+            if len(run) > 1:
+                clusters.append((length, run))
+        run, length = [i], len(prompts[i]) - 1
+    if len(run) > 1:
+        clusters.append((length, run))
+    return clusters
+
+
+def _common(a: list[int], b: list[int], limit: int) -> int:
+    n = 0
+    while n < limit and a[n] == b[n]:
+        n += 1
+    return n

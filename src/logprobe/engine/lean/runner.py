@@ -1,0 +1,336 @@
+"""`LeanRunner`: the device work of the lean runner (see the package's docstring): its forward pass over
+the blocks, prompts prefilled in chunks, decode steps over the KV cache's size classes, and the
+bookkeeping the engine's step loop calls."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from ..families import family_of
+from ..interventions import Edits, segment_editor
+from ..kv_cache import Row, SlabCache
+from ..prefix_cache import PrefixCache
+from ..prompt_columns import CaptureDone, PromptColumnWriter, logit_lens
+from ..request import PromptColumns, SequenceGroup
+from ..sampler import BatchSettings, to_device
+from .attention import Attention, PassMeta, SlabRows
+from .fixed_shape import FixedShapeSteps
+from .prefill import PrefillState, prefill_chunks
+from .prompt_batch import PromptBatches
+from .weights import Linear, load_blocks, packing_works, release_packed
+
+log = logging.getLogger("logprobe.engine")
+
+
+class LeanRunner:
+    """Runs a model a family claims (families/) with its own weights: the engine's step loop calls it as
+    it calls `runner.ModelRunner`, with every running row of every request in one decode pass."""
+
+    supports_batched_decode = True
+    PREFILL_CHUNK = 512  # prompt tokens per engine step while other requests are decoding
+    INT4_MAX_ROWS = 8  # decode steps of up to this many rows read the 4-bit weights (when loaded)
+    RELEASE_PACKED = True  # see weights.release_packed; tests turn it off to compare with an engine that keeps both
+
+    def __init__(self, model, int4_grids: dict | None = None, max_len: int | None = None, kv_positions: int = 256,
+                 static_decode: bool | None = None, prefix_cache_bytes: int = 256 * 2**20):
+        family, reason = family_of(model)
+        if family is None:
+            raise ValueError(f"the lean runner cannot run this model: {reason}")
+        self.family = family
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.layers = getattr(model, model.base_model_prefix).layers
+        lm_head = model.get_output_embeddings()
+        self.vocab_size = int(lm_head.weight.shape[0])  # read before the module may be emptied
+        self.softcap = getattr(model.config, "final_logit_softcapping", None)
+        self.num_heads, self.kv_heads, self.head_dim = family.num_heads, family.kv_heads, family.head_dim
+        max_len = max_len or int(getattr(model.config, "max_position_embeddings", 4096))
+        self.packed = packing_works(self.dtype, self.device)
+        self.int4 = int4_grids is not None
+        release = (lambda linears, root: release_packed(model, linears, root)) \
+            if self.packed and self.RELEASE_PACKED else None
+        self.blocks, windows, released = load_blocks(family, self.layers, int4_grids, self.packed, release)
+        # per layer: None or its sliding window (one as long as the context masks nothing: a full layer)
+        self.windows = [w if w is not None and w < max_len else None for w in windows]
+        self.attention = Attention(self.windows, family.attention_scale(), self.num_heads, self.kv_heads,
+                                   self.dtype, self.device)
+        self.final_norm = family.final_norm()
+        self.head = Linear.of(lm_head, self.packed)
+        if release is not None:
+            released += release((self.head,), model)
+            log.info("lean runner: %.0f MB of transformers' weights released (kept once, packed for oneDNN)",
+                     released / 2**20)
+        self.columns = PromptColumnWriter(self.logprobs_of, self.vocab_size)
+        self.kv_positions = kv_positions
+        self.cache = SlabCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device,
+                               max_len=max_len, capacity=kv_positions)
+        # Decode steps of fixed shapes (fixed_shape.py), replayed as CUDA graphs on a GPU; on a CPU (tests)
+        # run eagerly. `pick_in_step`: whether such a step also picks the tokens (sampler.pick) in its
+        # recorded pass, where no row filters; off, the engine picks after it (benchmarks/gpu_check.py
+        # measures both).
+        self.static_decode = self.device.type == "cuda" if static_decode is None else static_decode
+        self.pick_in_step = True
+        self.fixed_shape = FixedShapeSteps(self)
+        # Prompt prefixes' keys and values kept across batches of prompt-only groups (prefix_cache.py);
+        # bounded by bytes, kept when idle, 0 turns it off.
+        self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        self.prompt_batches = PromptBatches(self)
+
+    # ---- one pass of the blocks ------------------------------------------------------------
+    def forward(self, ids: torch.Tensor, meta: PassMeta, capture=None, edit=None) -> torch.Tensor:
+        """Embed ids [B, T] at meta.positions [B, T], run every block (attention as `meta` describes it),
+        and return the final-norm hidden states [B, T, D]. Queries and keys are (normalized, where the
+        family does, and) rotated together, in the projection's own layout, before the heads are
+        transposed. `capture(layer, x)`, when given, sees the residual stream entering block 0 (layer 0)
+        and leaving each block (layer i + 1); `edit(layer, x, positions)`, when given, returns the stream
+        at those points as a request's interventions change it (interventions.py), before `capture`
+        sees it and the next block reads it."""
+        positions = meta.positions
+        x = self.family.embed(ids)
+        if edit is not None:
+            x = edit(0, x, positions)
+        if capture is not None:
+            capture(0, x)
+        ropes = self._rope(x, positions)
+        b, t = ids.shape
+        x = x.reshape(b * t, -1)  # the blocks' activations are [B * T, D]: the products' own layout
+        heads, kv_heads, d = self.num_heads, self.kv_heads, self.head_dim
+        q_size, qk_size = heads * d, (heads + kv_heads) * d
+        half, few, attend = d // 2, meta.few_rows, self.attention
+        for layer, block in enumerate(self.blocks):
+            qkv = block.qkv(block.input_norm(x), few)
+            qk = qkv[:, :qk_size].view(b, t, heads + kv_heads, d)
+            if block.qk_norm is not None:
+                qk = block.qk_norm(qk)
+            cos, sin = ropes[block.rope]
+            qk = qk * cos + qk.roll(half, dims=-1) * sin
+            q = qk[:, :, :heads].transpose(1, 2)  # [B, H, T, d]
+            k = qk[:, :, heads:].transpose(1, 2)  # [B, KV, T, d]
+            v = qkv[:, qk_size:].view(b, t, kv_heads, d).transpose(1, 2)
+            out = block.o_proj(attend(layer, q, k, v, meta).transpose(1, 2).reshape(b * t, q_size), few)
+            x = x + (out if block.post_attn_norm is None else block.post_attn_norm(out))
+            gate, up = block.gate_up(block.pre_ff_norm(x), few).chunk(2, dim=-1)
+            out = block.down_proj(block.act(gate) * up, few)
+            x = x + (out if block.post_ff_norm is None else block.post_ff_norm(out))
+            if edit is not None:
+                x = edit(layer + 1, x.view(b, t, -1), positions).reshape(b * t, -1)
+            if capture is not None:
+                capture(layer + 1, x.view(b, t, -1))
+        return self.final_norm(x).view(b, t, -1)
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> dict:
+        """For each RoPE table of the family: cos and sin [B, T, 1, d] for `positions` [B, T], the
+        sine's first half negated: with them a rotation is `x * cos + x.roll(d / 2) * sin`, the same
+        arithmetic as transformers' rotate_half (a negation is exact) in four operations instead of seven."""
+        half = self.head_dim // 2
+        tables = {}
+        for key, (cos, sin) in self.family.rope_tables(x, positions).items():
+            sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+            tables[key] = cos[:, :, None], sin[:, :, None]
+        return tables
+
+    def logprobs_of(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Raw next-token log probabilities, float32, for final-norm hidden states [..., D]."""
+        logits = self.head(hidden).float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return torch.log_softmax(logits, dim=-1)
+
+    def apply_final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.final_norm(hidden)
+
+    def head_dtype(self) -> torch.dtype:
+        return self.dtype
+
+    # ---- activations ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def residual_stream(self, ids: list[int], layers: list[int], edits: Edits | None = None) -> dict[int, np.ndarray]:
+        """{layer: [len(ids), D] float32} from one pass of the blocks over `ids` without a cache (the same
+        layers as transformers' hooks give: layer 0 enters block 0, layer l leaves block l, before the
+        final norm), under a request's `edits` where it has them; the pass stops after the deepest asked
+        layer. Read here because in bfloat16 transformers' own copies of the weights are released."""
+        wanted, deepest, store = set(layers), max(layers), {}
+
+        def capture(layer, x):
+            if layer in wanted:
+                store[layer] = x[0].float().cpu()
+            if layer == deepest:
+                raise CaptureDone
+
+        t = len(ids)
+        meta = PassMeta(torch.arange(t, device=self.device)[None], self.attention.causal_masks(t))
+        try:
+            self.forward(torch.tensor([ids], dtype=torch.long, device=self.device), meta, capture=capture,
+                         edit=segment_editor([(0, 0, t, edits)]))
+        except CaptureDone:
+            pass
+        return {layer: store[layer].numpy() for layer in store}
+
+    @torch.inference_mode()
+    def logit_lens(self, ids: list[int], layers: list[int], k: int, edits: Edits | None = None
+                   ) -> dict[int, PromptColumns]:
+        """{layer: columns of `ids`} from each asked layer's residual stream (prompt_columns.logit_lens)."""
+        return logit_lens(self, ids, layers, k, edits)
+
+    # ---- prompts -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill_batch(self, groups: list[SequenceGroup]) -> None:
+        """Prompt-only groups (scoring, echo with max_tokens 0) in one pass, prefixes shared where they
+        can be (prompt_batch.py); no KV cache is kept for decoding."""
+        self.prompt_batches.run(groups)
+
+    def prefill_chunk(self, group: SequenceGroup, budget: int) -> torch.Tensor | None:
+        """`prefill_chunks` for one group."""
+        return self.prefill_chunks([(group, budget)])[0]
+
+    @torch.inference_mode()
+    def prefill_chunks(self, chunks: list[tuple[SequenceGroup, int]]) -> list[torch.Tensor | None]:
+        """The next chunk of each (group, budget)'s prompt, in one forward pass (prefill.py). Per group,
+        the log probabilities of its first token to generate ([1, V]) where its prompt is done, else None."""
+        return prefill_chunks(self, chunks)
+
+    def prefill_progress(self, group: SequenceGroup) -> int:
+        return group.cache.done if isinstance(group.cache, PrefillState) else 0
+
+    @torch.inference_mode()
+    def expand(self, group: SequenceGroup, rows: int) -> None:
+        """The prompt is done: give each choice a slot holding the prompt's keys and values."""
+        state = group.cache
+        group.rows = []
+        handles = [Row(group, seq_index) for seq_index in group.active_rows]
+        self.cache.add(handles, state.keys, state.values)  # all of them, or none (then nothing to release)
+        group.rows = handles
+        group.cache = None
+
+    # ---- decode ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def decode_groups(self, groups: list[SequenceGroup]) -> list[torch.Tensor]:
+        """One decode step of every row, in one forward pass: the rows in the cache's order (size class by
+        size class, slot order within each); attention once per class over its own view. Per group, its
+        rows' log probabilities [rows, V] in the order of `group.rows`."""
+        return self._decode(groups, None)[0]
+
+    @torch.inference_mode()
+    def decode_and_pick(self, groups: list[SequenceGroup], k: int) -> tuple[list[torch.Tensor], np.ndarray | None]:
+        """`decode_groups`; where the step runs in fixed shapes (a CUDA graph on a GPU) and no row filters
+        with top-k or top-p, the rows' tokens, their log probabilities and the k likeliest are picked in
+        the same recorded pass (sampler.pick), their settings moved with the step's inputs in one copy:
+        that array on the host, rows in the groups' order."""
+        return self._decode(groups, k)
+
+    def _decode(self, groups: list[SequenceGroup], k: int | None) -> tuple[list[torch.Tensor], np.ndarray | None]:
+        cache = self.cache
+        if cache.num_rows != sum(len(g.rows) for g in groups):
+            raise RuntimeError("the KV cache is out of step with the running groups")
+        cache.make_room()  # a row whose size class is full moves into the next one
+        slabs = [slab for slab in cache.slabs.values() if slab.rows]
+        rows = [r for slab in slabs for r in slab.rows]  # the batch: slab by slab, slot order within each
+        table = np.array([(r.group.sequences[r.seq_index].token_ids[-1], r.length) for r in rows], dtype=np.int64)
+        edited = any(g.edits is not None for g in groups)  # a request's interventions: the eager pass
+        static = self.static_decode and len(slabs) == 1 and not edited
+        picking = None  # (k, whether any row is drawn) when the step picks the tokens itself
+        if static and k is not None and self.pick_in_step:
+            params = [r.group.params for r in rows]
+            if not any(not p.is_greedy and (0 < p.top_k < self.vocab_size or p.top_p < 1.0) for p in params):
+                sampled = not all(p.is_greedy for p in params)
+                seeds = [r.group.sequences[r.seq_index].next_seed() for r in rows] if sampled else None
+                table = np.concatenate([table, BatchSettings.table(params, self.vocab_size, seeds)], axis=1)
+                picking = (k, sampled)
+        inputs = to_device(table, torch.int64, self.device)  # one copy, queued behind the work already launched
+        logprobs = picked = None
+        if static:
+            logprobs, picked = self.fixed_shape.run(slabs[0], inputs, picking, max(r.length for r in rows) + 1)
+        if logprobs is None:
+            logprobs = self._decode_eager(slabs, rows, inputs[:, :2])
+        for r in rows:
+            r.length += 1
+        offsets = {slab.capacity: start for slab, start in zip(slabs, np.cumsum([0] + [len(s.rows) for s in slabs]))}
+        orders = [[int(offsets[row.slab]) + row.slot for row in group.rows] for group in groups]
+        host = None
+        if picked is not None:
+            host = picked.cpu().numpy()  # the step's one transfer
+            host = host[[i for order in orders for i in order]]
+        return self._by_group(orders, logprobs), host
+
+    def _decode_eager(self, slabs, rows, inputs: torch.Tensor) -> torch.Tensor:
+        """The decode pass over each slab's view of the positions held so far (inputs: [rows, 2] token and
+        position): [rows, V] log probabilities."""
+        meta = self.prepare_decode(slabs, inputs[:, 1])
+        edit = segment_editor([(i, 0, 1, r.group.edits) for i, r in enumerate(rows)])
+        return self.logprobs_of(self.forward(inputs[:, :1], meta, edit=edit)[:, -1])
+
+    def prepare_decode(self, slabs, positions: torch.Tensor) -> PassMeta:
+        """A decode step of every row of `slabs` (at `positions` [rows], slab by slab): each slab's rows read
+        its first `longest` positions (`[:rows, :, :longest]`), with a length mask unless every row is at
+        the same position (each sliding window then reads just its last `window` positions)."""
+        count, start, parts = positions.shape[0], 0, []
+        for slab in slabs:
+            n = len(slab.rows)
+            read = max(r.length for r in slab.rows) + 1
+            in_step = all(r.length == read - 1 for r in slab.rows)  # no mask, no scatter
+            mine = None if in_step else (positions if n == count else positions[start:start + n])
+            parts.append(SlabRows(slab.keys, slab.values, None if n == count else slice(start, start + n), n, mine,
+                                  None if in_step else torch.arange(n, device=self.device), read,
+                                  self.attention.decode_views(mine, read)))
+            start += n
+        return PassMeta(positions[:, None], slabs=parts, few_rows=self.int4 and count <= self.INT4_MAX_ROWS)
+
+    def _by_group(self, orders: list[list[int]], logprobs: torch.Tensor) -> list[torch.Tensor]:
+        """Each group's rows of the batch's log probabilities (`orders`: per group, its rows' places in
+        the batch, in the order of its rows): slices where a group's rows are consecutive in the batch
+        (the usual case), else one gather for all groups with an index moved in one copy (a list index
+        would copy to the device once per group)."""
+        if all(order == list(range(order[0], order[0] + len(order))) for order in orders if order):
+            return [logprobs[order[0]:order[0] + len(order)] if order else logprobs[:0] for order in orders]
+        gathered = logprobs.index_select(0, to_device([i for order in orders for i in order], torch.int64, self.device))
+        return list(torch.split(gathered, [len(order) for order in orders]))
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def select(self, group: SequenceGroup, keep: list[int]) -> None:
+        """Keep the group's rows at the places `keep`; the others' slots are freed."""
+        kept = []
+        for position, row in enumerate(group.rows):
+            if position in keep:
+                kept.append(row)
+            else:
+                self.cache.remove(row)
+        group.rows = kept
+
+    @torch.inference_mode()
+    def release(self, group: SequenceGroup) -> None:
+        for row in getattr(group, "rows", None) or []:
+            if row.slot >= 0:
+                self.cache.remove(row)
+        group.rows = []
+        group.cache = None
+
+    def reset(self) -> None:
+        """Forget every row and start from a new cache of the first size (after a failed step: the
+        engine has failed every group that held a row); the prefix cache is emptied too."""
+        self.fixed_shape.graphs.clear()
+        self.prefix_cache.clear()  # nothing kept from a step that failed
+        self.cache = SlabCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device,
+                               max_len=self.cache.max_len, capacity=self.kv_positions)
+
+    def is_consistent(self, running: list[SequenceGroup]) -> bool:
+        """Whether the cache's bookkeeping is whole and holds exactly the running groups' rows, each where
+        its handle says."""
+        rows = [(g, row) for g in running for row in getattr(g, "rows", ())]
+        return self.cache.is_consistent() and self.cache.num_rows == len(rows) and \
+            all(row.group is g and self.cache.holds(row) for g, row in rows)
+
+    def on_idle(self) -> None:
+        self.cache.shrink()
+        self.fixed_shape.graphs.clear()
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.cache.nbytes
+
+    @property
+    def prefix_cache_bytes(self) -> int:
+        return self.prefix_cache.nbytes

@@ -1,0 +1,47 @@
+"""What a step chose for a group's rows, as a named record of numpy columns (no torch here).
+
+The device side makes a `Pick` per group in one of two ways: for plain requests, `split_picks` cuts the
+one array a decode step brings to the host (`sampler.pick`'s, or the runner's when it picked in its
+recorded pass); for a request that asked for instruments, `instruments.pick_with_instruments` builds it
+with their columns. The output processor (output_processor.py) records it on the group's sequences the
+same way in both cases, and so does the engine's test double (tests/fake_backend.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# The columns of sampler.pick's host array ([rows, 2 + 2k] float64: ids and float32 values are exact):
+TOKEN, LOGPROB, TOP = 0, 1, 2  # the token, its log probability, then k top ids and k top log probabilities
+
+
+@dataclass
+class Pick:
+    """One group's active rows after a step, row r for the sequence `group.active_rows[r]`."""
+
+    tokens: np.ndarray  # [R] int64: the token each row chose
+    logprobs: np.ndarray  # [R] float32: its log probability (raw, or processed where the request asked)
+    top_ids: np.ndarray  # [R, k] int64: the k likeliest tokens, k the request's `logprobs` (0: none)
+    top_logprobs: np.ndarray  # [R, k] float32: their log probabilities (as `logprobs`)
+    processed_logprobs: np.ndarray | None = None  # [R] logprobs_mode "both": the drawn-from distribution's
+    processed_top_logprobs: np.ndarray | None = None  # [R, k] ... and its values at `top_ids`
+    columns: dict[str, np.ndarray] = field(default_factory=dict)  # instrument columns, [R, ...] each
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.tokens)
+
+
+def split_picks(host: np.ndarray, num_rows: list[int], widths: list[int], k: int) -> list[Pick]:
+    """`host` ([sum(num_rows), 2 + 2k], sampler.pick's layout) cut into one Pick per group: group i has
+    the next `num_rows[i]` rows and keeps `widths[i]` (<= k) of the top-k."""
+    picks, start = [], 0
+    for count, width in zip(num_rows, widths):
+        rows = host[start:start + count]
+        start += count
+        picks.append(Pick(tokens=rows[:, TOKEN].astype(np.int64), logprobs=rows[:, LOGPROB].astype(np.float32),
+                          top_ids=rows[:, TOP:TOP + width].astype(np.int64),
+                          top_logprobs=rows[:, TOP + k:TOP + k + width].astype(np.float32)))
+    return picks
