@@ -13,7 +13,9 @@ The convention (the docs are written to it):
   ``"${LOGPROBE_URL:-http://127.0.0.1:8000}"``). The runner sets it to the test server (no trailing
   slash), sets MPLBACKEND=Agg, drops OPENAI_API_KEY / OPENAI_BASE_URL (an example must not rely on the
   reader's environment), and runs each example in a fresh temporary working directory:
-  ``python -c CODE`` or ``bash -c CODE``, 120 s at most.
+  ``python -c CODE`` or ``bash -c CODE``, 600 s at most.
+* An example shows the openai SDK as a reader writes it, with its default retries; the runner sets
+  OPENAI_LOG=info and fails an example whose log shows a retry (a retry would hide a server error).
 
 Importable from any test folder: pytest puts tests/ on sys.path for tests/conftest.py.
 """
@@ -31,7 +33,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNNERS = {"python": [sys.executable, "-c"], "bash": ["bash", "-c"]}
-TIMEOUT_S = 120
+TIMEOUT_S = 600  # a ceiling against a hung example, not a measure of speed: a loaded machine is slow
+RETRY_LOG = "Retrying request"  # what the openai SDK logs, at level info, before it retries
 
 _OPEN = re.compile(r"^([ \t]*)(`{3,}|~{3,})(.*)$")
 _MARKER = re.compile(r"^\s*<!--\s*example:\s*([A-Za-z0-9-]+)\s*-->\s*$")
@@ -211,6 +214,7 @@ def example_env(base_url: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("OPENAI_API_KEY", "OPENAI_BASE_URL")}
     env["LOGPROBE_URL"] = base_url.rstrip("/")
     env["MPLBACKEND"] = "Agg"
+    env["OPENAI_LOG"] = "info"
     env["PYTHONUNBUFFERED"] = "1"
     # A proxy in the environment must not take the requests to the local server.
     for key in ("NO_PROXY", "no_proxy"):
@@ -235,6 +239,8 @@ def run_example(ex: Example, base_url: str, timeout: float = TIMEOUT_S) -> str |
     out, err = _text(proc.stdout), _text(proc.stderr)
     if proc.returncode != 0:
         return _report(ex, f"exited with status {proc.returncode}", out, err)
+    if RETRY_LOG in err:
+        return _report(ex, "passed only after the openai SDK retried a request", out, err)
     if ex.expected is not None and not check_output(ex.expected, out):
         return _report(ex, f"output does not match the expected block at {rel(ex.path)}:{ex.expected_line}",
                        out, err, want=ex.expected)

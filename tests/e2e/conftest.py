@@ -20,7 +20,8 @@ def server(smol_dir):
 def oai(server):
     from openai import OpenAI
 
-    return OpenAI(base_url=server + "/v1", api_key="unused")
+    # A retry would turn a server error into a pass; 600 s leaves a loaded machine time to answer.
+    return OpenAI(base_url=server + "/v1", api_key="unused", timeout=600, max_retries=0)
 
 
 @pytest.fixture(scope="session")

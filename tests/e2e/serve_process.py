@@ -23,7 +23,7 @@ def server_log(proc) -> str:
         return fh.read()
 
 
-def start(flags, head=None, limit: float = 180, prefix: str = "logprobe-"):
+def start(flags, head=None, limit: float = 900, prefix: str = "logprobe-"):
     """(process, base URL) of `logprobe serve --port P *flags`, run by `head` (default: the module). The
     log goes to a file (`proc.log_path`): a pipe nobody reads fills up and blocks the server."""
     port = free_port()
@@ -38,7 +38,7 @@ def start(flags, head=None, limit: float = 180, prefix: str = "logprobe-"):
         if proc.poll() is not None:
             raise RuntimeError("server exited:\n" + server_log(proc))
         try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
+            if httpx.get(base + "/health", timeout=30).status_code == 200:
                 return proc, base
         except httpx.HTTPError:
             pass

@@ -46,9 +46,9 @@ try:
 except loader.ModelLoadError as exc:
     pytest.skip(f"Gemma 3 270M is not installed: {exc}", allow_module_level=True)
 
-# Launches `logprobe serve` with the lean path refused, so the model runs on transformers' forward.
-_FORCE_TRANSFORMERS = ("import sys; from logprobe.engine import fast_runner; "
-                       "fast_runner.supports = lambda model: False; "
+# Launches `logprobe serve` with the lean runner refused, so the model runs on transformers' forward.
+_FORCE_TRANSFORMERS = ("import sys; from logprobe.engine import lean; "
+                       "lean.supports = lambda model: False; "
                        "from logprobe.cli import main; sys.exit(main(sys.argv[1:]))")
 
 
@@ -73,7 +73,7 @@ def gemma(request):
     # a first start dequantizes the GGUF (about a minute)
     proc, base = serve_process.start(["--model", MODEL], head=head, limit=600, prefix="logprobe-gemma-")
     try:
-        runner = httpx.get(base + f"/v1/models/{MODEL}").json()["runner"]
+        runner = httpx.get(base + f"/v1/models/{MODEL}", timeout=600).json()["runner"]
         if request.param == "transformers":
             assert runner == "transformers"
         elif runner == "transformers":
@@ -161,7 +161,7 @@ def close(kind: str, got, want, tol: float = TOL) -> None:
 
 
 def tokenize(server, text: str) -> list[int]:
-    return httpx.post(server + "/tokenize", json={"model": MODEL, "prompt": text}).json()["tokens"]
+    return httpx.post(server + "/tokenize", json={"model": MODEL, "prompt": text}, timeout=600).json()["tokens"]
 
 
 def complete(server, **body) -> dict:
@@ -198,14 +198,14 @@ def long_text(words: int = 490) -> str:
 
 def test_model_card_and_tokenizer(gemma):
     server, runner = gemma
-    card = httpx.get(server + f"/v1/models/{MODEL}").json()
+    card = httpx.get(server + f"/v1/models/{MODEL}", timeout=600).json()
     assert card["id"] == FULL_NAME and MODEL in card["aliases"]
-    assert httpx.get(server + f"/v1/models/{FULL_NAME}").json()["id"] == FULL_NAME
+    assert httpx.get(server + f"/v1/models/{FULL_NAME}", timeout=600).json()["id"] == FULL_NAME
     assert (card["num_layers"], card["d_model"], card["vocab_size"], card["context_length"]) == (18, 640, VOCAB, 32768)
     assert card["dtype"] == "float32" and card["runner"] == runner
     assert (card["bos_token"], card["eos_token"], card["adds_bos"]) == ("<bos>", "<eos>", True)
     assert tokenize(server, "The sky is") == [BOS, 818, 7217, 563]
-    info = httpx.get(server + "/tokenizer_info").json()
+    info = httpx.get(server + "/tokenizer_info", timeout=600).json()
     assert info["bos_token"] == "<bos>" and info["vocab_size"] == VOCAB
 
 
@@ -231,7 +231,7 @@ def test_greedy_generation_logprobs_and_top_k(server, ref64):
         keys = ids_of(list(top))
         close("generated top-k", list(top.values()), row[keys])
         assert row[keys].min() >= np.sort(row)[-5] - TOL  # the 5 likeliest, up to near-ties
-    detok = httpx.post(server + "/detokenize", json={"model": MODEL, "tokens": gen}).json()["prompt"]
+    detok = httpx.post(server + "/detokenize", json={"model": MODEL, "tokens": gen}, timeout=600).json()["prompt"]
     assert out["choices"][0]["text"] == detok
 
 
@@ -297,7 +297,8 @@ def test_whole_vocabulary_json_and_float16(server, ref64):
     plp = out["choices"][0]["prompt_logprobs"]
     assert len(plp) == len(ids) and plp[0] is None
     ref = ref64.logprobs(ids)
-    names = httpx.post(server + "/detokenize", json={"model": MODEL, "tokens": [818, 7217]}).json()["prompt"]
+    names = httpx.post(server + "/detokenize", json={"model": MODEL, "tokens": [818, 7217]},
+                       timeout=600).json()["prompt"]
     assert names == "The sky"
     full = np.empty((len(ids), VOCAB))
     keys = [str(i) for i in range(VOCAB)]
@@ -348,10 +349,10 @@ def test_logit_lens_of_the_last_layer_is_the_model(server):
 def test_whole_vocabulary_cap(server):
     """The default budget of 256 x 128,256 vocabulary entries gives this 262,144-token vocabulary 125
     positions (SmolLM2's 49,152 tokens keep 256): the card says so and 126 are refused before any work."""
-    limits = httpx.get(server + f"/v1/models/{MODEL}").json()["limits"]
+    limits = httpx.get(server + f"/v1/models/{MODEL}", timeout=600).json()["limits"]
     assert (limits["vocab_positions"], limits["max_vocab_positions"]) == (125, 256)
     r = httpx.post(server + "/v1/completions", json={"model": MODEL, "prompt": [BOS] + [818] * 125,
-                                                     "max_tokens": 0, "prompt_logprobs": -1})
+                                                     "max_tokens": 0, "prompt_logprobs": -1}, timeout=600)
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == "prompt_logprobs"
     assert "at most 125 prompt tokens" in err["message"] and "262,144 tokens" in err["message"]

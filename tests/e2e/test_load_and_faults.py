@@ -212,7 +212,7 @@ def test_200_clients_mixed_load(loaded_server):
     assert stats["ok"] >= 100
     assert (h["requests_running"], h["requests_queued"], h["tokens_held"], h["in_flight"]) == (0, 0, 0, 0)
     assert rss_after <= rss_before * 1.10 + 64, (rss_before, rss_after)
-    metrics = httpx.get(base + "/metrics").text
+    metrics = httpx.get(base + "/metrics", timeout=600).text
     assert "logprobe_tokens_held 0.0" in metrics and "logprobe_queue_depth 0.0" in metrics
 
 
@@ -244,7 +244,8 @@ def test_clients_that_leave_and_a_slow_reader(loaded_server):
                     break
     assert len(got) == 3
     # a slow reader of a whole-vocabulary answer (64 positions x 49152 tokens: ~150 MB of JSON)
-    ids = httpx.post(base + "/tokenize", json={"model": MODEL, "prompt": "word " * 64}).json()["tokens"][:64]
+    ids = httpx.post(base + "/tokenize", json={"model": MODEL, "prompt": "word " * 64},
+                     timeout=600).json()["tokens"][:64]
     request = json.dumps({"model": MODEL, "prompt": ids, "max_tokens": 1, "prompt_logprobs": -1}).encode()
     port = int(base.rsplit(":", 1)[1])
     slow = socket.create_connection(("127.0.0.1", port))

@@ -1,11 +1,15 @@
 """The playground at `/`, in headless Chromium (Debian's package, driven by Playwright) against the real
-server: the numbers it shows are the API's. Set LOGPROBE_SCREENSHOTS=1 to refresh docs/screenshots/."""
+server: the numbers it shows are the API's. Set LOGPROBE_SCREENSHOTS=1 to refresh docs/screenshots/.
+
+No wait here assumes a fast machine: every Playwright action and wait gets WAIT_MS (Playwright's own
+default is 30 s), and every direct API request HTTP_TIMEOUT_S (httpx's default is 5 s)."""
 
 from __future__ import annotations
 
 import math
 import os
 import shutil
+import time
 from pathlib import Path
 
 import httpx
@@ -17,6 +21,10 @@ CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "screenshots"
+WAIT_MS = 600_000  # per Playwright action or wait: a loaded 2-core machine streams a few tokens a second
+HTTP_TIMEOUT_S = 600
+READY = "document.querySelector('#score-status').textContent === 'Ready.'"  # models and tokenizer read
+PHONE = {"width": 390, "height": 844}
 
 
 @pytest.fixture(scope="module")
@@ -26,19 +34,38 @@ def browser():
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, timeout=WAIT_MS)
         yield b
         b.close()
 
 
-@pytest.fixture
-def page(browser, server):
-    ctx = browser.new_context(viewport={"width": 1280, "height": 900})
+def new_page(browser, viewport):
+    """A page in a context of its own whose actions and waits all get WAIT_MS, and the page errors it
+    collects."""
+    ctx = browser.new_context(viewport=viewport)
+    ctx.set_default_timeout(WAIT_MS)
     pg = ctx.new_page()
     errors = []
     pg.on("pageerror", lambda e: errors.append(str(e)))
+    return ctx, pg, errors
+
+
+def open_ready(browser, server, viewport):
+    ctx, pg, errors = new_page(browser, viewport)
     pg.goto(server + "/")
-    pg.wait_for_selector("#model option", state="attached")
+    pg.wait_for_function(READY)
+    return ctx, pg, errors
+
+
+def post(server, path, body):
+    r = httpx.post(server + path, json=body, timeout=HTTP_TIMEOUT_S)
+    r.raise_for_status()
+    return r.json()
+
+
+@pytest.fixture
+def page(browser, server):
+    ctx, pg, errors = open_ready(browser, server, {"width": 1280, "height": 900})
     yield pg
     ctx.close()
     assert not errors, errors
@@ -63,7 +90,7 @@ def test_score_view_shows_the_api_numbers(page, server, tmp_path):
     # the entropy series comes from the server's position_stats, not from downloading the vocabulary
     assert any('"position_stats":true' in body for body in sent)
     assert not any("prompt_logprobs" in body for body in sent)
-    api = httpx.post(server + "/v1/score", json={"model": MODEL, "input": text, "top_logprobs": 5}).json()["data"][0]
+    api = post(server, "/v1/score", {"model": MODEL, "input": text, "top_logprobs": 5})["data"][0]
     spans = page.locator("#score-tokens .tok")
     assert spans.count() == api["num_tokens"] == 7
     for i in (0, 3, 5):
@@ -98,9 +125,9 @@ def test_generate_streams_and_branches(page, server, tmp_path):
     page.fill("#gen-temp", "0.8")
     page.fill("#gen-seed", "5")
     page.click("#gen-run")
-    page.wait_for_function("document.querySelector('#gen-status').textContent.startsWith('Done')", timeout=60_000)
-    plain = httpx.post(server + "/v1/completions", json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 12,
-                                                          "temperature": 0.8, "seed": 5, "logprobs": 5}).json()
+    page.wait_for_function("document.querySelector('#gen-status').textContent.startsWith('Done')")
+    plain = post(server, "/v1/completions", {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 12,
+                                             "temperature": 0.8, "seed": 5, "logprobs": 5})
     tokens = page.locator("#gen-tokens .tok")
     assert tokens.count() == len(plain["choices"][0]["logprobs"]["tokens"])
     assert page.inner_text("#gen-tokens").replace("⏎\n", "\n") == plain["choices"][0]["text"]
@@ -111,7 +138,7 @@ def test_generate_streams_and_branches(page, server, tmp_path):
     alt = page.locator("#tooltip button.alt").first
     chosen = alt.inner_text()
     alt.click()
-    page.wait_for_function("document.querySelector('#gen-status').textContent.startsWith('Done')", timeout=60_000)
+    page.wait_for_function("document.querySelector('#gen-status').textContent.startsWith('Done')")
     assert page.locator("#gen-tokens .tok").nth(1).inner_text() == eval(chosen)  # the branch took the alternative
     assert page.locator("#gen-tokens .tok").count() == 2 + 12
 
@@ -121,7 +148,7 @@ def test_compare_view(page, server, tmp_path):
     page.click("#compare-run")
     page.wait_for_selector("#compare-table tbody tr")
     texts = ["The cat sat on the mat.", "The mat sat on the cat."]
-    api = httpx.post(server + "/v1/score", json={"model": MODEL, "input": texts}).json()["data"]
+    api = post(server, "/v1/score", {"model": MODEL, "input": texts})["data"]
     rows = page.locator("#compare-table tbody tr")
     assert rows.count() == 2
     for i, d in enumerate(api):
@@ -136,11 +163,11 @@ def test_lens_view(page, server, tmp_path):
     page.click("#tab-lens")
     page.fill("#lens-step", "10")
     page.click("#lens-run")
-    page.wait_for_function("document.querySelector('#lens-status').textContent.startsWith('Read')", timeout=60_000)
+    page.wait_for_function("document.querySelector('#lens-status').textContent.startsWith('Read')")
     text = page.input_value("#lens-text")
-    api = httpx.post(server + "/v1/completions", json={"model": MODEL, "prompt": text, "max_tokens": 0,
-                                                       "output_lens": {"layers": [0, 10, 20, 30], "top_k": 3}})
-    lens = api.json()["choices"][0]["logit_lens"]
+    api = post(server, "/v1/completions", {"model": MODEL, "prompt": text, "max_tokens": 0,
+                                           "output_lens": {"layers": [0, 10, 20, 30], "top_k": 3}})
+    lens = api["choices"][0]["logit_lens"]
     rows = page.locator("#lens-table tbody tr")
     assert rows.count() == 4 and rows.nth(0).locator("th").inner_text() == "30 (out)"
     for r, entry in enumerate(reversed(lens["layers"])):
@@ -159,17 +186,16 @@ def test_patch_view(page, server, tmp_path):
     page.click("#tab-patch")
     page.fill("#patch-step", "10")
     page.click("#patch-run")
-    page.wait_for_function("document.querySelector('#patch-status').textContent.startsWith('Patched')",
-                           timeout=60_000)
+    page.wait_for_function("document.querySelector('#patch-status').textContent.startsWith('Patched')")
     rows = page.locator("#patch-table tbody tr")
     assert rows.count() == 4  # layers 0, 10, 20 and 30
     text, source = page.input_value("#patch-text"), page.input_value("#patch-source")
     answers = set()
     for r, layer in enumerate((0, 10, 20, 30)):
-        api = httpx.post(server + "/v1/completions", json={
+        api = post(server, "/v1/completions", {
             "model": MODEL, "prompt": text, "max_tokens": 1, "temperature": 0, "logprobs": 1, "return_unmodified": True,
             "interventions": [{"layer": layer, "op": "patch", "positions": [-1],
-                               "source": {"prompt": source, "position": -1}}]}).json()["choices"][0]
+                               "source": {"prompt": source, "position": -1}}]})["choices"][0]
         row = rows.nth(r)
         assert row.get_attribute("data-layer") == str(layer)
         assert row.locator("td").nth(0).inner_text() == '"' + api["text"] + '"'
@@ -182,19 +208,60 @@ def test_patch_view(page, server, tmp_path):
     shot(page, "patch.png", tmp_path)
 
 
-def test_phone_sized_screen(browser, server, tmp_path):
-    ctx = browser.new_context(viewport={"width": 390, "height": 844})
-    pg = ctx.new_page()
-    pg.goto(server + "/")
-    pg.wait_for_selector("#model option", state="attached")
-    pg.click("#score-run")
-    pg.wait_for_function("document.querySelector('#score-status').textContent.startsWith('Scored')")
-    assert pg.evaluate("document.documentElement.scrollWidth") <= 390 + 1  # nothing runs off the side
-    shot(pg, "phone.png", tmp_path)
+# Each tab, the fields set to keep its run small (few tokens, few layers), its button, and the status its
+# run ends with.
+TABS = [("score", {}, "#score-run", "score-status", "Scored"),
+        ("generate", {"#gen-max": "8"}, "#gen-run", "gen-status", "Done"),
+        ("compare", {}, "#compare-run", "compare-status", "Most natural"),
+        ("lens", {"#lens-step": "10"}, "#lens-run", "lens-status", "Read"),
+        ("patch", {"#patch-step": "10"}, "#patch-run", "patch-status", "Patched")]
+PAGE_WIDTH = "[document.scrollingElement.scrollWidth, innerWidth]"
+
+
+def test_phone_sized_screen_every_tab_fits(browser, server, tmp_path):
+    """At 390 px nothing runs off the side on any tab, filled with its results: a wide table scrolls in
+    its own box, the page never sideways."""
+    ctx, pg, errors = open_ready(browser, server, PHONE)
+    for tab, fields, button, status, done in TABS:
+        pg.click(f"#tab-{tab}")
+        for selector, value in fields.items():
+            pg.fill(selector, value)
+        pg.click(button)
+        pg.wait_for_function(f"document.querySelector('#{status}').textContent.startsWith({done!r})")
+        scroll_width, width = pg.evaluate(PAGE_WIDTH)
+        assert scroll_width <= width == PHONE["width"], (tab, scroll_width)
+        if tab == "score":
+            shot(pg, "phone.png", tmp_path)
+    assert pg.locator("#patch-table tbody tr").count() == 4  # the widest table is there, filled
     ctx.close()
+    assert not errors, errors
 
 
-PHONE = {"width": 390, "height": 844}
+def test_model_select_says_it_is_loading_and_why_it_failed(browser, server):
+    """Before /v1/models answers the select shows a hint, not an empty list; when the request fails, the
+    reason stands beside it (on every tab: the header holds both)."""
+    ctx, pg, errors = new_page(browser, PHONE)
+    held = []
+    pg.route("**/v1/models", lambda route: held.append(route))  # the request waits until the test answers it
+    pg.goto(server + "/")
+    deadline = time.monotonic() + HTTP_TIMEOUT_S
+    while not held and time.monotonic() < deadline:
+        pg.wait_for_timeout(50)
+    assert held, "the page never asked for /v1/models"
+    assert pg.locator("#model option").all_text_contents() == ["loading models…"]
+    assert pg.is_disabled("#model") and not pg.is_visible("#model-hint")
+    held[0].fulfill(status=503, content_type="application/json",
+                    body='{"error": {"message": "the server is starting", "type": "server_error"}}')
+    pg.wait_for_function("!document.querySelector('#model-hint').hidden")
+    assert pg.locator("#model option").all_text_contents() == ["no models"]
+    assert pg.inner_text("#model-hint") == "Cannot load the models: the server is starting"
+    pg.click("#tab-patch")
+    assert pg.is_visible("#model-hint")
+    assert pg.evaluate(PAGE_WIDTH)[0] <= PHONE["width"]
+    ctx.close()
+    assert not errors, errors
+
+
 # Wraps over several lines at 390 px, and holds a 64-character token (one run of '#') whose tooltip has to wrap.
 LONG_TEXT = ("# Notes\n" + "#" * 64 + "\nThe quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat "
              "by the window, and nobody notices the rain outside.")
@@ -206,12 +273,7 @@ OUTSIDE = """(w) => [tooltip, ...tooltip.querySelectorAll('*')].flatMap((e) => {
 
 def test_phone_tooltip_and_model_select_stay_on_screen(browser, server):
     width = PHONE["width"]
-    ctx = browser.new_context(viewport=PHONE)
-    pg = ctx.new_page()
-    errors = []
-    pg.on("pageerror", lambda e: errors.append(str(e)))
-    pg.goto(server + "/")
-    pg.wait_for_selector("#model option", state="attached")
+    ctx, pg, errors = open_ready(browser, server, PHONE)
     pg.fill("#score-text", LONG_TEXT)
     pg.click("#score-run")
     pg.wait_for_function("document.querySelector('#score-status').textContent.startsWith('Scored')")

@@ -34,7 +34,7 @@ def test_prompt_logprobs_k_through_openai_sdk(oai, ref64):
 
 
 def _prompt_of(server, n_tokens):
-    ids = httpx.post(server + "/tokenize", json={"prompt": TEXT_256}).json()["tokens"]
+    ids = httpx.post(server + "/tokenize", json={"prompt": TEXT_256}, timeout=600).json()["tokens"]
     return ids[:n_tokens]
 
 
@@ -61,7 +61,7 @@ def test_whole_vocabulary_256_tokens_raw_http(server, ref64):
 def test_whole_vocabulary_over_the_cap(server):
     ids = _prompt_of(server, 257)
     r = httpx.post(server + "/v1/completions",
-                   json={"model": MODEL, "prompt": ids, "max_tokens": 1, "prompt_logprobs": -1})
+                   json={"model": MODEL, "prompt": ids, "max_tokens": 1, "prompt_logprobs": -1}, timeout=600)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
 
 

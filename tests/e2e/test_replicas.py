@@ -1,6 +1,7 @@
 """Replicas on Ray Serve (`logprobe serve --replicas 2`) against one process (the `server` fixture): the
 same answers byte for byte, one token budget for the application, a replica killed under load, /health
-and /metrics through the one address, and the SIGTERM drain. Everything listens on 127.0.0.1; each
+and /metrics through the one address, a taken port refused, access lines and start-up warnings, the
+proxy answering while every replica is saturated, and a quiet SIGTERM drain. Everything listens on 127.0.0.1; each
 load loop is bounded in requests and time."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import importlib.util
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,8 +29,9 @@ sys.modules["logprobe_servers"] = servers
 _spec.loader.exec_module(servers)
 
 MODEL = "smollm2-135m"
-# Two replicas with two torch threads each, as one process has: the same kernels, so the same bits.
-REPLICA_FLAGS = ["--replicas", "2", "--cpus-per-replica", "2", "--ray-cpus", "4", "--alias", "smol"]
+# Two replicas of one torch thread each against one process of two: the same bits all the same (MKL's
+# strict reproducibility mode, set on `import logprobe`; docs/cluster.md, "The same numbers").
+REPLICA_FLAGS = ["--replicas", "2", "--cpus-per-replica", "1", "--ray-cpus", "2", "--alias", "smol"]
 
 
 @pytest.fixture(scope="module")
@@ -276,9 +279,82 @@ def test_one_token_budget_for_the_application():
     assert got == expected
 
 
+def _serve_exit(flags: list[str], limit: float = 120) -> tuple[int | None, str]:
+    """(exit code, output) of `logprobe serve FLAGS`, in a session of its own; None when it is still
+    running after `limit` s (then its session is killed)."""
+    proc = subprocess.Popen([sys.executable, "-m", "logprobe.cli", "serve", *flags], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+    try:
+        out, _ = proc.communicate(timeout=limit)
+        return proc.returncode, out
+    except subprocess.TimeoutExpired:
+        servers.Server(proc, "", os.devnull).terminate(timeout=30)
+        return None, ""
+
+
+@pytest.mark.parametrize("holder,replicas", [("cluster", ["--replicas", "1"]), ("cluster", []),
+                                             ("server", ["--replicas", "1"])],
+                         ids=["ray-vs-ray", "one-process-vs-ray", "ray-vs-one-process"])
+def test_a_taken_port_is_refused_before_ray_starts(request, holder, replicas):
+    """A second deployment on the port of a running one would share it (Serve's proxy binds with
+    SO_REUSEPORT) and split its connections; a --replicas server on a one-process server's port failed
+    with a RayTaskError. Each is refused at once, with one line, before Ray starts (none of the holder's
+    answers change)."""
+    base = request.getfixturevalue(holder)
+    base = base.base if holder == "cluster" else base
+    port = base.rsplit(":", 1)[1]
+    code, out = _serve_exit(["--port", port, *replicas])
+    assert code == 2, out[-3000:]
+    assert f"logprobe: 127.0.0.1:{port} is already in use" in out
+    assert "Traceback" not in out and "Started Serve" not in out and "ready: serving" not in out
+    assert httpx.get(base + "/health", timeout=30).json()["status"] == "ready"
+
+
+def test_access_lines_and_start_up_warnings_as_in_one_process(cluster):
+    """The ingress logs one `logprobe.access` line per request and the command warns that no API key is
+    configured, as one process does (Ray shows the ingress's lines with its name in front)."""
+    assert httpx.post(cluster.base + "/tokenize", json={"model": MODEL, "prompt": "Hi"}, timeout=60).status_code == 200
+    deadline = time.time() + 30  # Ray forwards an actor's output to the driver within a second or so
+    while time.time() < deadline and not any("/tokenize" in line for line in _access_lines(cluster.log_text())):
+        time.sleep(0.5)
+    lines = _access_lines(cluster.log_text())
+    assert any('"path":"/tokenize"' in line and '"status":200' in line for line in lines), lines[-5:]
+    assert any('"path":"/v1/completions"' in line for line in lines)  # the earlier tests' requests
+    assert "WARNING logprobe: no API key configured" in cluster.log_text()
+
+
+def _access_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if "logprobe.access" in line and "Ingress" in line]
+
+
+SATURATE_S = 90
+
+
+def test_saturated_replicas_leave_the_proxy_answering(cluster):
+    """Eight clients keep both replicas (2 torch threads each, on however few cores) busy for 90 s while
+    /health, /tokenize and 1-token completions are probed one after another: no connection is dropped,
+    every probe is answered 200 (each within its 120 s timeout), and Serve's proxy is the same process
+    at the end. Replicas run niced (ray_app.REPLICA_NICENESS) and the proxy's health check is patient,
+    so the controller does not mark a starved proxy unhealthy and kill it with its connections."""
+    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+    import saturation
+
+    proxies, replicas = saturation.proxy_pids(cluster.session_pids()), _replica_pids(cluster)
+    assert len(proxies) == 1 and len(replicas) == 2
+    result = asyncio.run(saturation.saturate(cluster.base, SATURATE_S, clients=8))
+    assert result["failures"] == [], result["failures"][:10]
+    assert result["finished"] > 0 and result["probes"] >= 3
+    assert result["most_in_flight"] >= 2  # the engines had the load
+    # nothing was replaced: no health check gave up on the proxy or a replica
+    assert saturation.proxy_pids(cluster.session_pids()) == proxies and _replica_pids(cluster) == replicas
+    assert "health check response for proxy" not in cluster.log_text()
+
+
 def test_sigterm_drains_the_application(cluster):
     """Last (it stops the module's cluster): a running stream finishes, a new request gets the 503
-    envelope, the command exits 0 and leaves no Ray process behind."""
+    envelope, the command exits 0 and leaves no Ray process behind, and stopping prints no alarm
+    (Ray's "ServeController... failed ... killed by `ray.kill`" once came three times)."""
     body = {"model": MODEL, "prompt": "Count: 1, 2,", "max_tokens": 48, "temperature": 0, "stream": True}
 
     async def main():
@@ -302,3 +378,6 @@ def test_sigterm_drains_the_application(cluster):
     while cluster.session_pids() and time.time() < deadline:
         time.sleep(0.5)
     assert cluster.session_pids() == []
+    log = cluster.log_text()
+    stopping = log[log.index("draining (new requests get 503"):]
+    assert "killed by `ray.kill`" not in stopping and "Traceback" not in stopping, stopping[-3000:]

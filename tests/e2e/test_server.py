@@ -75,21 +75,22 @@ def test_stop_and_token_id_prompts(oai):
 
 
 def test_raw_http_errors(server):
-    r = httpx.post(server + "/v1/completions", json={"model": MODEL, "prompt": "x", "logprobs": True})
+    r = httpx.post(server + "/v1/completions", json={"model": MODEL, "prompt": "x", "logprobs": True}, timeout=600)
     assert r.status_code == 400
     assert r.json()["error"]["message"] == "Invalid type for 'logprobs': expected a number or null."
     assert r.json()["request_id"] == r.headers["x-request-id"]
-    r = httpx.post(server + "/v1/completions", json={"model": "llama-8b", "prompt": "x"})
+    r = httpx.post(server + "/v1/completions", json={"model": "llama-8b", "prompt": "x"}, timeout=600)
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
-    r = httpx.post(server + "/v1/completions", content=b"{", headers={"content-type": "application/json"})
+    r = httpx.post(server + "/v1/completions", content=b"{", headers={"content-type": "application/json"}, timeout=600)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request"
-    r = httpx.post(server + "/v1/completions", json={"model": MODEL, "prompt": [1] * 8190, "max_tokens": 16})
+    r = httpx.post(server + "/v1/completions", json={"model": MODEL, "prompt": [1] * 8190, "max_tokens": 16},
+                   timeout=600)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
 
 
 def test_model_card_of_bundled_model(server):
-    card = httpx.get(server + "/v1/models/smollm2-135m").json()
+    card = httpx.get(server + "/v1/models/smollm2-135m", timeout=600).json()
     assert card["id"] == FULL_NAME and set(card["aliases"]) == {"smollm2-135m", "smol"}
     assert (card["num_layers"], card["d_model"], card["vocab_size"], card["context_length"]) == (30, 576, 49152, 8192)
-    info = httpx.get(server + "/tokenizer_info").json()
+    info = httpx.get(server + "/tokenizer_info", timeout=600).json()
     assert info["eos_token"] == "<|im_end|>"

@@ -31,7 +31,7 @@ def two_models(smol_dir):
 
 def test_two_models_one_address(two_models, smol_dir):
     base = two_models.base
-    ids = [m["id"] for m in httpx.get(base + "/v1/models").json()["data"]]
+    ids = [m["id"] for m in httpx.get(base + "/v1/models", timeout=600).json()["data"]]
     assert ids == ["HuggingFaceTB/SmolLM2-135M-Instruct-Q4_1", Path(smol_dir).name]
     body = {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0, "logprobs": 3, "echo": True}
     answers = {}
@@ -40,11 +40,11 @@ def test_two_models_one_address(two_models, smol_dir):
         assert r.status_code == 200, r.text
         answers[name] = r.json()["choices"][0]
     assert answers["gguf"] == answers["dir"] == answers["smollm2-135m"] == answers[Path(smol_dir).name]
-    assert httpx.post(base + "/v1/completions", json={**body, "model": "nope"}).status_code == 404
-    health = httpx.get(base + "/health").json()
+    assert httpx.post(base + "/v1/completions", json={**body, "model": "nope"}, timeout=600).status_code == 404
+    health = httpx.get(base + "/health", timeout=600).json()
     assert health["status"] == "ready" and len(health["models"]) == 2
     assert all(m["engine_steps"] > 0 for m in health["models"].values())
-    text = httpx.get(base + "/metrics").text
+    text = httpx.get(base + "/metrics", timeout=600).text
     assert text.count('logprobe_engine_step_seconds_count{model="') == 2
 
 
@@ -62,9 +62,10 @@ def test_compare_the_same_weights_by_two_routes(two_models, smol_dir):
     assert pos["top1_agree"] == [None] + [True] * (num - 1)
     assert all(a == b for a, b in pos["logprobs"][1:])
     assert out["summary"]["top1_agreement"] == 1.0 and out["summary"]["mean_js"] == 0.0
-    score = httpx.post(base + "/v1/score", json={"model": "gguf", "input": text, "add_bos": False}).json()["data"][0]
+    score = httpx.post(base + "/v1/score", json={"model": "gguf", "input": text, "add_bos": False},
+                       timeout=600).json()["data"][0]
     assert [lp[0] for lp in pos["logprobs"][1:]] == pytest.approx(score["token_logprobs"][1:], abs=1e-5)
-    r = httpx.post(base + "/v1/compare", json={"models": ["gguf", "smollm2-135m"], "input": text})
+    r = httpx.post(base + "/v1/compare", json={"models": ["gguf", "smollm2-135m"], "input": text}, timeout=600)
     assert r.status_code == 400 and r.json()["error"]["param"] == "models"
     got = compare(base, ["gguf", "dir"], " Paris.", context="The capital of France is")
     assert got.tokens == [" Paris", "."] and got.kl_pq.tolist() == got.js.tolist() == [0.0, 0.0]
@@ -82,8 +83,10 @@ def test_playground_draws_the_divergence(two_models, smol_dir):
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium, args=["--headless=new", "--no-sandbox", "--disable-gpu"])
+        browser = p.chromium.launch(executable_path=chromium, args=["--headless=new", "--no-sandbox", "--disable-gpu"],
+                                    timeout=600_000)
         page = browser.new_page()
+        page.set_default_timeout(600_000)  # Playwright's 30 s per action is a guess at the machine's speed
         errors = []
         page.on("pageerror", lambda e: errors.append(str(e)))
         page.goto(two_models.base + "/")

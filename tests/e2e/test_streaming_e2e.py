@@ -54,9 +54,12 @@ def test_sdk_chat_stream_with_logprobs(oai):
 
 
 def test_seed_003_program_as_written(server, ref64):
-    env = {**os.environ, "OPENAI_BASE_URL": server + "/v1", "OPENAI_API_KEY": "none"}
-    out = subprocess.run([sys.executable, str(ROOT / "examples" / "seed003_top_logprobs.py")], env=env,
-                         capture_output=True, text=True, timeout=120).stdout
+    # The program keeps the SDK's defaults (two retries); its log shows a retry, which must not happen.
+    env = {**os.environ, "OPENAI_BASE_URL": server + "/v1", "OPENAI_API_KEY": "none", "OPENAI_LOG": "info"}
+    run = subprocess.run([sys.executable, str(ROOT / "examples" / "seed003_top_logprobs.py")], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert "Retrying request" not in run.stderr, run.stderr
+    out = run.stdout
     assert out.startswith("Top token probabilities:")
     rows = re.findall(r"^  (.*) → (-?\d+\.\d{3})$", out, flags=re.M)
     assert len(rows) == 5
@@ -64,16 +67,16 @@ def test_seed_003_program_as_written(server, ref64):
     ids = httpx.post(server + "/tokenize", json={"prompt": (
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
         "<|im_start|>user\nA common fruit people eat is<|im_end|>\n<|im_start|>assistant\n"),
-        "add_special_tokens": False}).json()["tokens"]
+        "add_special_tokens": False}, timeout=600).json()["tokens"]
     row = ref64(ids)[-1]
     top = np.sort(row)[::-1][:5]
     np.testing.assert_allclose([float(v) for _, v in rows], top, atol=1.5e-3)
 
 
-def wait_idle(server, timeout=5.0):
+def wait_idle(server, timeout=120.0):
     deadline = time.time() + timeout
     while time.time() < deadline:
-        health = httpx.get(server + "/health").json()
+        health = httpx.get(server + "/health", timeout=600).json()
         if health["in_flight"] == 0:
             return health
         time.sleep(0.05)
@@ -83,7 +86,7 @@ def wait_idle(server, timeout=5.0):
 def test_disconnect_mid_stream_frees_the_engine(server):
     before = wait_idle(server)["engine_steps"]
     body = {"model": MODEL, "prompt": COUNTING, "max_tokens": 3000, "stream": True, "temperature": 0}
-    with httpx.stream("POST", server + "/v1/completions", json=body, timeout=30) as r:
+    with httpx.stream("POST", server + "/v1/completions", json=body, timeout=600) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i >= 10:
                 break
@@ -91,12 +94,13 @@ def test_disconnect_mid_stream_frees_the_engine(server):
     used = idle["engine_steps"] - before
     assert used < 40, used  # it stopped within a step or two of the disconnect, not after 3000
     time.sleep(0.3)
-    assert httpx.get(server + "/health").json()["engine_steps"] == idle["engine_steps"]  # nothing left running
+    # nothing left running
+    assert httpx.get(server + "/health", timeout=600).json()["engine_steps"] == idle["engine_steps"]
     # the next request has the engine to itself: exactly its own 20 steps (1 prefill + 19 decodes)
     out = httpx.post(server + "/v1/completions", json={"model": MODEL, "prompt": "Next", "max_tokens": 20,
-                                                       "temperature": 0}).json()
+                                                       "temperature": 0}, timeout=600).json()
     assert out["usage"]["completion_tokens"] == 20
-    assert httpx.get(server + "/health").json()["engine_steps"] == idle["engine_steps"] + 20
+    assert httpx.get(server + "/health", timeout=600).json()["engine_steps"] == idle["engine_steps"] + 20
 
 
 def test_disconnect_before_a_plain_answer_aborts_it(server):

@@ -39,3 +39,25 @@ def test_colliding_names_are_refused(monkeypatch):
 def test_replicas_take_one_model(capsys):
     assert cli.main(["serve", "--replicas", "2", "--model", "a", "--model", "b"]) == 2
     assert "one model" in capsys.readouterr().err
+
+
+def test_engines_are_built_by_one_builder(monkeypatch):
+    """`logprobe serve` builds each model's engine with Engine.from_settings, as a Ray replica does, with
+    the model's own aliases first and the --alias values it lacks after them."""
+    from logprobe.engine import loader
+    from logprobe.engine.engine import Engine
+
+    sources = {"one": loader.ModelSource("dir", "/m/one", "org/one", ["own"]),
+               "two": loader.ModelSource("dir", "/m/two", "org/two", [])}
+    monkeypatch.setattr(loader, "resolve_source", lambda name: sources[name])
+    built = []
+
+    def build(cls, settings, source, aliases):
+        built.append((source.name, aliases))
+        return source.name
+
+    monkeypatch.setattr(Engine, "from_settings", classmethod(build))
+    settings = cli.settings_from_args(cli.build_parser().parse_args(
+        ["serve", "--model", "one", "--alias", "own", "--alias", "x", "--model", "two", "--alias", "y"]))
+    assert cli.load_engines(settings) == ["org/one", "org/two"]
+    assert built == [("org/one", ["own", "x"]), ("org/two", ["y"])]

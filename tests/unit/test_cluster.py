@@ -189,7 +189,7 @@ def test_deployments_ask_for_what_the_flags_say(ray_app):
 
 def test_the_application_builder_reads_serve_flags(ray_app):
     """`from_args` (serve run / KubeRay) takes the flags of `logprobe serve` with their defaults."""
-    from logprobe.cli import build_parser, settings_from_args
+    from logprobe.config import build_parser, settings_from_args
 
     seen = []
     real = ray_app.build_application
@@ -208,3 +208,15 @@ def test_the_application_builder_reads_serve_flags(ray_app):
     assert bare.limits == defaults.limits and bare.admission == defaults.admission
     with pytest.raises(SystemExit):
         ray_app.from_args({"no_such_flag": 1})
+
+
+def test_the_application_reads_settings_without_the_cli(ray_app):
+    """ray_app builds its settings from config.py alone: importing it (as Serve's workers and `serve run`
+    do) does not import the command line module, which imports ray_app to run it."""
+    import subprocess
+    import sys
+
+    code = "import sys, logprobe.cluster.ray_app; print(sorted(m for m in sys.modules if m == 'logprobe.cli'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"

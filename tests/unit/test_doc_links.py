@@ -438,6 +438,43 @@ def test_runner_on_trivial_programs():
     assert "timed out after 2 s" in slow and "started" in slow
 
 
+def test_runner_fails_an_example_that_passed_on_a_retry():
+    """The openai SDK retries a 500 twice by default; an example that passes only thanks to a retry fails."""
+    import http.server
+    import json
+    import threading
+
+    answers = [500, 200]
+
+    class Flaky(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            status = answers.pop(0) if answers else 200
+            body = json.dumps({"error": {"message": "boom"}} if status == 500 else {
+                "id": "cmpl-1", "object": "text_completion", "created": 0, "model": "m",
+                "choices": [{"index": 0, "text": " ok", "logprobs": None, "finish_reason": "length"}]}).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Flaky)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    code = ("import os\nfrom openai import OpenAI\n"
+            "client = OpenAI(base_url=os.environ['LOGPROBE_URL'] + '/v1', api_key='none')\n"
+            "print(client.completions.create(model='m', prompt='p').choices[0].text)\n")
+    try:
+        failed = run_example(_ex(code, expected=" ok\n"), f"http://127.0.0.1:{server.server_address[1]}")
+    finally:
+        server.shutdown()
+    assert not answers  # the SDK did retry
+    assert failed is not None and "passed only after the openai SDK retried a request" in failed
+
+
 def test_runner_uses_this_interpreter():
     assert run_example(_ex(f"import sys; assert sys.executable == {sys.executable!r}"), "http://h:1") is None
 

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import sys
 import threading
 import time
 
@@ -34,7 +35,7 @@ from prometheus_client.samples import Sample
 from ray import serve
 
 from ..backend import BackendUnavailable, GenerationOutput, GenerationRequest
-from ..config import Settings
+from ..config import LOG_FORMAT, Settings, build_parser, configure_logging, log_api_keys, settings_from_args
 from .state import STALE_S, ClusterState, SharedAdmission
 
 log = logging.getLogger("logprobe.cluster")
@@ -66,10 +67,39 @@ NAMESPACE = "logprobe"
 STATE_ACTOR = "logprobe-cluster-state"
 APP_NAME = "logprobe"
 REPORT_EVERY_S = 1.0
+# A replica's engine keeps its cores busy for as long as requests wait. Run at a lower priority (nice
+# 10: about a tenth of a nice-0 process's share of a contended core), it leaves the CPU the Serve proxy,
+# the controller and the ingress need: on 2 cores with 2 replicas at nice 0, the proxy missed three
+# 10 s health checks in a row under load and the controller killed it with every connection it held.
+REPLICA_NICENESS = 10
 
 
-def held_tokens(requests: list[GenerationRequest]) -> int:
-    return sum((r.num_prompt_tokens + r.params.max_tokens) * r.params.n for r in requests)
+def lower_priority(increment: int) -> None:
+    """Nice every thread of this process (Linux keeps a nice value per thread; threads started later
+    inherit their creator's, so the engine's thread and torch's pool started after this are niced too)."""
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:  # not Linux: the calling thread, which starts the engine
+        tids = [0]
+    for tid in tids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
+        except OSError:
+            log.debug("cannot renice thread %d", tid, exc_info=True)
+
+
+def log_like_one_process(level: str) -> None:
+    """In a Ray actor: logprobe's loggers (access lines, warnings, errors) to stderr at --log-level in
+    one process's format; Ray shows an actor's stderr in the `logprobe serve` output, the actor's name
+    in front. Serve's own loggers stay at WARNING (`deployment_options`)."""
+    logger = logging.getLogger("logprobe")
+    if not any(getattr(h, "logprobe_stderr", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(LOG_FORMAT))
+        handler.logprobe_stderr = True
+        logger.addHandler(handler)
+    logger.setLevel(level.upper())
+    logger.propagate = False
 
 
 class Refusal:
@@ -96,21 +126,14 @@ class ModelReplica:
 
         from ..api.admission import Admission
         from ..api.metrics import EngineMetrics
-        from ..engine import loader
+        from ..config import resolve_models
         from ..engine.engine import Engine
 
-        threads = max(1, int(settings.cpus_per_replica))
-        torch.set_num_threads(threads)
-        source = loader.resolve_source(settings.model)
-        model, tokenizer = loader.load(source, dtype=settings.dtype, device=settings.device,
-                                       quantization=settings.quantization)
-        if settings.chat_template:
-            with open(settings.chat_template, encoding="utf-8") as fh:
-                tokenizer.chat_template = fh.read()
-        aliases = source.aliases + [a for a in settings.aliases if a not in source.aliases]
-        self.engine = Engine(model, tokenizer, source.name, aliases, max_model_len=settings.max_model_len or None,
-                             kv_cache_positions=settings.kv_cache_positions,
-                             prefix_cache_mb=settings.prefix_cache_mb)
+        log_like_one_process(settings.log_level)
+        lower_priority(REPLICA_NICENESS)
+        torch.set_num_threads(max(1, int(settings.cpus_per_replica)))
+        (source, aliases), = resolve_models(settings)
+        self.engine = Engine.from_settings(settings, source, aliases)
         self.engine.start()
         self.registry = CollectorRegistry()
         self.metrics = EngineMetrics(self.registry, self.engine.stats)
@@ -153,7 +176,7 @@ class ModelReplica:
         from ..api.errors import APIError
 
         try:
-            return await self.admission.acquire("replica", held_tokens(requests)), None
+            return await self.admission.acquire("replica", sum(r.held_tokens for r in requests)), None
         except APIError as exc:
             return None, Refusal(exc)
 
@@ -330,6 +353,7 @@ class Ingress:
     """The logprobe HTTP app, on a RayBackend (Serve calls __serve_build_asgi_app__ after __init__)."""
 
     async def __init__(self, model_handle, settings: Settings, target: str):
+        log_like_one_process(settings.log_level)
         self.settings = settings
         self.state = ensure_state(settings)
         info, tokenizer, table = await model_handle.describe.remote()
@@ -432,8 +456,6 @@ def from_args(args: dict):
     "api_key": ["k1"]}`): the builder `serve run` and KubeRay's RayService call
     (`import_path: logprobe.cluster.ray_app:from_args`). The flags mean what they mean on the command
     line, defaults and checks included."""
-    from ..cli import build_parser, settings_from_args
-
     argv = ["serve"]
     for name, value in (args or {}).items():
         flag = "--" + name.replace("_", "-")
@@ -450,7 +472,8 @@ def run(settings: Settings) -> int:
     drain like one process (new requests 503, running ones finish up to --drain-timeout) and stop."""
     import signal
 
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(settings.log_level)
+    log_api_keys(settings)
     start_ray(settings)
     start_state(settings)
     serve.start(http_options={"host": settings.host, "port": settings.port},
@@ -460,28 +483,46 @@ def run(settings: Settings) -> int:
     previous = {sig: signal.signal(sig, lambda *_: signalled.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         handle = serve.run(build_application(settings), name=APP_NAME, route_prefix="/", blocking=False)
-        log.info("ready: serving %s replica(s) of %s on http://%s:%d", settings.replicas, settings.model or "the bundled model",
-                 settings.host, settings.port)
+        log.info("ready: serving %s replica(s) of %s on http://%s:%d", settings.replicas,
+                 settings.model or "the bundled model", settings.host, settings.port)
         while not signalled.wait(0.5):
             pass
         log.info("draining (new requests get 503, running ones finish, up to %g s)", settings.admission.drain_timeout)
-        try:
-            running = handle.drain.remote().result(timeout_s=10)
-            deadline = time.monotonic() + settings.admission.drain_timeout
-            while running and time.monotonic() < deadline:
-                time.sleep(0.1)
-                running = handle.running.remote().result(timeout_s=10)
-        except Exception:
-            log.warning("draining the ingress failed", exc_info=True)
+        _drain(handle, settings.admission.drain_timeout)
         return 0
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        try:
+        _stop(settings)
+
+
+def _drain(handle, timeout: float) -> None:
+    try:
+        running = handle.drain.remote().result(timeout_s=10)
+        deadline = time.monotonic() + timeout
+        while running and time.monotonic() < deadline:
+            time.sleep(0.1)
+            running = handle.running.remote().result(timeout_s=10)
+    except Exception:
+        log.warning("draining the ingress failed", exc_info=True)
+
+
+def _stop(settings: Settings) -> None:
+    """Take the application down, then leave Ray. A local Ray goes with this process, Serve's controller
+    and proxy with it: deleting the application and shutting Ray down, rather than `serve.shutdown()`
+    first, keeps the controller alive while calls to it are in flight (killed under them, Ray reports
+    each as "ServeController.listen_for_change failed ... killed by `ray.kill`"). A joined cluster's
+    Serve instance is shut down, as it was started, by this command."""
+    try:
+        if settings.ray_address:
             serve.shutdown()
-        finally:
-            try:
-                ray.kill(ray.get_actor(STATE_ACTOR, namespace=NAMESPACE))
-            except Exception:
-                pass
-            ray.shutdown()
+        else:
+            serve.delete(APP_NAME)
+    except Exception:
+        log.warning("stopping the application failed", exc_info=True)
+    finally:
+        try:
+            ray.kill(ray.get_actor(STATE_ACTOR, namespace=NAMESPACE))
+        except Exception:
+            pass
+        ray.shutdown()

@@ -16,17 +16,23 @@ function headers() {
   return h;
 }
 
-async function api(path, body) {
-  const r = await fetch(path, body === undefined ? { headers: headers() }
-    : { method: "POST", headers: headers(), body: JSON.stringify(body) });
-  const data = await r.json();
-  if (!r.ok) throw new Error((data.error && data.error.message) || r.statusText);
+// The body of a response, or an Error with the server's message. A proxy in front of the server may answer
+// an error with a page of HTML: then the error says the status instead of failing to parse it.
+async function readJson(r) {
+  const status = `${r.status} ${r.statusText}`.trim();
+  const data = await r.json().catch(() => { throw new Error(status); });
+  if (!r.ok) throw new Error((data.error && data.error.message) || status);
   return data;
+}
+
+async function api(path, body) {
+  return readJson(await fetch(path, body === undefined ? { headers: headers() }
+    : { method: "POST", headers: headers(), body: JSON.stringify(body) }));
 }
 
 async function* streamEvents(path, body, signal) {
   const r = await fetch(path, { method: "POST", headers: headers(), body: JSON.stringify(body), signal });
-  if (!r.ok) { const e = await r.json(); throw new Error(e.error ? e.error.message : r.statusText); }
+  if (!r.ok) await readJson(r);   // throws the server's error
   const reader = r.body.getReader(), decoder = new TextDecoder();
   let buffer = "";
   for (;;) {
@@ -396,8 +402,8 @@ async function runPatch() {
         interventions: [{ layer, op: "patch", positions: [-1], source: { prompt: source, position: -1 } }] });
       const c = out.choices[0], un = c.unmodified;
       const p = Math.exp(c.logprobs.token_logprobs[0]), q = Math.exp(un.logprobs[un.logprobs.length - 1]);
-      const bar = el("td", {}); const fill = bar.appendChild(el("div", { class: "patch-bar" }));
-      fill.style.width = `${Math.round(120 * p)}px`;
+      const bar = el("td", {}), track = bar.appendChild(el("div", { class: "patch-track" }));
+      track.appendChild(el("div", { class: "patch-bar" })).style.width = `${(100 * p).toFixed(1)}%`;
       const tr = el("tr", { "data-layer": String(layer), "data-p": p.toFixed(6), "data-q": q.toFixed(6) });
       tr.append(el("th", { scope: "row" }, String(layer)), el("td", { class: "mono" }, visible(JSON.stringify(c.text))),
         el("td", {}, fmt(p)), el("td", {}, fmt(q)), bar);
@@ -416,20 +422,44 @@ function showView(name) {
   hideTooltip();
 }
 
+// The select says what it waits for: a placeholder option while /v1/models is asked, the reason beside it
+// when that fails (on every tab, since the model list belongs to all of them).
+function modelPlaceholder(text) {
+  const sel = $("model");
+  sel.replaceChildren(el("option", { value: "", disabled: "", selected: "" }, text));
+  sel.disabled = true;
+  state.model = null;
+}
+
+function modelHint(text) {
+  const hint = $("model-hint");
+  hint.textContent = text || ""; hint.hidden = !text; hint.classList.toggle("error", !!text);
+}
+
 async function loadModels() {
+  modelPlaceholder("loading models…");
+  modelHint("");
+  let models;
   try {
-    const models = await api("/v1/models");
-    const sel = $("model"); sel.replaceChildren();
-    for (const m of models.data) sel.appendChild(el("option", { value: m.id }, m.id));
-    state.model = sel.value;
-    const vs = $("score-vs");             // a second model to compare with, when the server has one
-    vs.replaceChildren(el("option", { value: "" }, "(none)"));
-    for (const m of models.data) vs.appendChild(el("option", { value: m.id }, m.id));
-    $("score-vs-label").hidden = models.data.length < 2;
-    const info = await api("/tokenizer_info");
-    state.bosId = info.bos_token_id;
+    models = await api("/v1/models");
+  } catch (e) {
+    modelPlaceholder("no models");
+    modelHint("Cannot load the models: " + e.message);
+    return;
+  }
+  if (!models.data.length) { modelPlaceholder("no models"); modelHint("The server serves no model."); return; }
+  const sel = $("model"); sel.replaceChildren();
+  for (const m of models.data) sel.appendChild(el("option", { value: m.id }, m.id));
+  sel.disabled = false;
+  state.model = sel.value;
+  const vs = $("score-vs");             // a second model to compare with, when the server has one
+  vs.replaceChildren(el("option", { value: "" }, "(none)"));
+  for (const m of models.data) vs.appendChild(el("option", { value: m.id }, m.id));
+  $("score-vs-label").hidden = models.data.length < 2;
+  try {
+    state.bosId = (await api("/tokenizer_info")).bos_token_id;
     setStatus("score-status", "Ready.");
-  } catch (e) { setStatus("score-status", "Cannot reach the server: " + e.message, true); }
+  } catch (e) { setStatus("score-status", "Cannot read the tokenizer: " + e.message, true); }
 }
 
 $("api-key").value = sessionStorage.getItem("logprobe-key") || "";
