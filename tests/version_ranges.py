@@ -7,7 +7,7 @@ whatever else pip found already satisfying. This script makes both ends of every
 promise, each in a virtual environment of its own beside this checkout, isolated from the main one:
 
 - lowest (`.venv-range-lowest`): the lowest Python that `requires-python` allows, and every entry of
-  `project.dependencies` at exactly its lower bound, torch included (PyPI's build of it: it runs on
+  `project.dependencies` and of the `data` extra at exactly its lower bound, torch included (PyPI's build of it: it runs on
   the CPU when there is no GPU);
 - highest (`.venv-range-highest`): the newest Python on this machine, and the newest version of every
   dependency that the ranges allow, the `ray` extra's too. A machine-wide pip constraint (this
@@ -110,7 +110,9 @@ def installed(python: Path, names: list[str]) -> dict[str, str]:
 
 def build(end: str) -> Path:
     proj = project()
-    reqs = [Requirement(text) for text in proj["dependencies"]]
+    # the `data` extra (pyarrow, tqdm: `logprobe score --input`) is held to its range like a dependency:
+    # pyarrow's newest needs NumPy 2, so only its lower bound runs beside NumPy's
+    reqs = [Requirement(text) for text in proj["dependencies"] + proj["optional-dependencies"]["data"]]
     env_dir = ROOT / f".venv-range-{end}"
     python = env_dir / "bin" / "python"
     if not python.exists():

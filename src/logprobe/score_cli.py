@@ -1,4 +1,5 @@
-"""`logprobe score TEXT`: a text's per-token log probabilities as a table, JSON or a chart.
+"""`logprobe score TEXT`: a text's per-token log probabilities as a table, JSON or a chart;
+`logprobe score --input FILE`: a dataset's, into a file (datasets/).
 
 In-process by default (loads the model, no server needed); `--url` asks a running server instead.
 Both go through the same /v1/score code, so the numbers are the API's.
@@ -29,13 +30,15 @@ def score_in_process(args) -> dict:
         body["model"] = engine.info.name
         limits = Limits()
         try:
-            req = scoring.parse_score(body, limits)
-            items = scoring.tokenize_items(engine, req)
+            req = scoring.parse(body, limits)
+            items = scoring.tokenize(engine, req)
             scoring.check_caps(engine, req, items, limits)
         except APIError as exc:
             raise SystemExit(f"logprobe score: {exc.message}") from None
-        outputs = asyncio.run(engine.run(scoring.build_requests(engine, req, items, "cli")))
-        return scoring.format_response(engine, req, items, outputs)
+        requests = scoring.build_requests(engine, req, items, "cli")
+        outputs = asyncio.run(engine.run(requests))
+        payload, _ = scoring.format_response(engine, req, items, requests, outputs)
+        return payload
     finally:
         engine.stop()
 
@@ -46,7 +49,7 @@ def score_remote(args) -> dict:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     body = request_body(args)
     body["model"] = args.model or "smollm2-135m"
-    r = httpx.post(args.url.rstrip("/") + "/v1/score", json=body, headers=headers, timeout=600)
+    r = httpx.post(args.url[0].rstrip("/") + "/v1/score", json=body, headers=headers, timeout=600)
     if r.status_code != 200:
         raise SystemExit(f"logprobe score: the server answered {r.status_code}: {r.text[:300]}")
     return r.json()
@@ -107,7 +110,71 @@ def plot(item: dict, path: str) -> None:
     plt.close(fig)
 
 
+def score_dataset(args) -> int:
+    """`logprobe score --input FILE`: every row of a dataset, into --output (datasets/job.py)."""
+    from .datasets import job
+    from .datasets.columns import ScoreOptions
+    from .datasets.io import DatasetError, require_data_extra
+
+    try:
+        require_data_extra()
+        if args.context:
+            raise DatasetError("--context is for one TEXT; with --input, name a --context-column")
+        if not 0 <= args.top <= 100:
+            raise DatasetError(f"--top {args.top} is outside 0..100")
+        options = ScoreOptions(top=args.top, tokens=args.tokens, stats=args.stats, add_bos=not args.no_bos,
+                               skip_invalid=args.skip_invalid)
+        output = args.output or args.input + ".scores.parquet"
+        read_opts = job.ReadOptions(args.column, args.context_column, args.id_column)
+        progress = "none" if args.quiet else "auto"
+        if args.quiet:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()  # the weights' loading bar
+        if args.ray:
+            from .datasets import ray_job
+
+            count = ray_job.run_from_args(args, output, options, read_opts, progress)
+        else:
+            count = job.run(args.input, output, lambda: _dataset_scorer(args, options), options, read_opts,
+                            resume=args.resume, progress=progress, max_rows=max(1, args.chunk_rows))
+        if args.plot or args.report:
+            from .datasets import report
+
+            report.summarize_job(output, options, args.input, read_opts, args.plot, args.report, quiet=args.quiet)
+    except DatasetError as exc:
+        print(f"logprobe score: {exc.message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("logprobe score: interrupted; the rows written so far are kept: run the same command again to "
+              "go on", file=sys.stderr)
+        return 130
+    if not args.quiet:
+        print(f"logprobe score: {count} rows written to {output}", file=sys.stderr)
+    return 0
+
+
+def _dataset_scorer(args, options):
+    from .datasets.scorer import InProcessScorer, RemoteScorer
+
+    if args.url:
+        return RemoteScorer(args.url, api_key=args.api_key, model=args.model, concurrency=args.concurrency,
+                            options=options, batch_rows=args.batch_rows)
+    return InProcessScorer.from_model(args.model, dtype=args.dtype, device=args.device, options=options)
+
+
 def main(args) -> int:
+    if args.input:
+        if args.text is not None:
+            print("logprobe score: give a TEXT or --input FILE, not both", file=sys.stderr)
+            return 2
+        return score_dataset(args)
+    if args.text is None:
+        print("logprobe score: give a TEXT to score, or --input FILE for a dataset", file=sys.stderr)
+        return 2
+    if args.url and len(args.url) > 1:
+        print("logprobe score: one --url for a TEXT (several are for --input)", file=sys.stderr)
+        return 2
     result = score_remote(args) if args.url else score_in_process(args)
     if args.json:
         sys.stdout.write(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode() + "\n")

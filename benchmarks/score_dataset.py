@@ -1,0 +1,202 @@
+"""Scoring a dataset (docs/datasets.md): the in-process job against the other ways to get the same numbers.
+
+N rows of varied length (4 to 256 words, new words in every round so that no prefix cache serves a
+row twice) are scored, at one dtype, by
+
+- **in-process**: `logprobe.datasets.job.run` on a started `InProcessScorer` (the `logprobe score --input`
+  path, the output file written; the model load is not timed),
+- **loop**: one `/v1/score` request per row, one after another, on one keep-alive connection to a
+  `logprobe serve` of the same model and dtype,
+- **8 clients**: the same requests from 8 threads, each with its own keep-alive connection,
+- **transformers**: a hand-written batch loop, as a researcher writes it: rows sorted by length, batches
+  of 16 padded on the right, a forward, log_softmax, each target token's log probability, summed per row,
+
+and the figure is scored tokens per second (BOS first, as logprobe scores by default; the transformers
+loop is given the same BOS). The arms take turns in every round, in an order that alternates between
+rounds, because this machine's speed drifts by up to 2x within minutes; the ratios printed are medians
+of the per-round ratios to the in-process job. `--ray` adds the job on a local Ray with 2 workers against
+the in-process job, both timed with their model loads (the Ray job starts its actors and loads the model
+in each; Ray itself is started before the clock).
+
+    python benchmarks/score_dataset.py [--rows 256] [--rounds 3] [--dtype float32|bfloat16] [--ray]
+                                       [--skip-transformers]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+import httpx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import servers  # noqa: E402  (benchmarks/servers.py)
+
+MODEL = "smollm2-135m"
+LENGTHS = (4, 16, 64, 256)  # words a row, in equal shares
+WORDS = ("time year people way day man thing woman life child world school state family student group "
+         "country problem hand part place case week company system program question work government number "
+         "night point home water room mother area money story fact month lot right study book eye job word "
+         "business issue side kind head house service friend father power hour game line end member law car "
+         "city community name president team minute idea kid body information back parent face others level").split()
+
+
+def make_rows(count: int, salt: int) -> list[str]:
+    """`count` texts, lengths cycling through LENGTHS, each opening with its own number (no shared prefix)."""
+    rng = random.Random(salt)
+    return [f"{salt}-{i}: " + " ".join(rng.choice(WORDS) for _ in range(LENGTHS[i % len(LENGTHS)]))
+            for i in range(count)]
+
+
+def write_input(texts: list[str], folder: str) -> str:
+    path = os.path.join(folder, "rows.txt")
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write("".join(t + "\n" for t in texts))
+    return path
+
+
+def in_process(scorer, texts: list[str], folder: str) -> tuple[int, float]:
+    from logprobe.datasets import job
+    import pyarrow.parquet as pq
+
+    source, out = write_input(texts, folder), os.path.join(folder, "out.parquet")
+    started = time.perf_counter()
+    job.run(source, out, scorer, scorer.options, resume=False, progress="none")
+    wall = time.perf_counter() - started
+    return sum(pq.read_table(out, columns=["num_tokens"]).column(0).to_pylist()), wall
+
+
+def request_loop(base: str, texts: list[str], clients: int) -> tuple[int, float]:
+    """One /v1/score request per text from `clients` threads, each on its own keep-alive connection."""
+    totals = [0] * clients
+    errors: list[BaseException] = []
+
+    def worker(k: int) -> None:
+        try:
+            with httpx.Client(base_url=base, timeout=None) as client:
+                for text in texts[k::clients]:
+                    r = client.post("/v1/score", json={"model": MODEL, "input": text})
+                    r.raise_for_status()
+                    totals[k] += r.json()["data"][0]["num_tokens"]
+        except BaseException as exc:  # reported by the caller's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(clients)]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - started
+    if errors:
+        raise errors[0]
+    return sum(totals), wall
+
+
+class TransformersLoop:
+    """The hand-written batch loop: sorted by length, batches of 16 padded on the right, BOS first."""
+
+    def __init__(self, model_dir: str, dtype: str, batch: int = 16):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.torch, self.batch = torch, batch
+        self.tok = AutoTokenizer.from_pretrained(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+        self.bos = self.tok.bos_token_id
+
+    def __call__(self, texts: list[str]) -> tuple[int, float]:
+        torch = self.torch
+        started = time.perf_counter()
+        encoded = sorted(([self.bos] + self.tok(t, add_special_tokens=False).input_ids for t in texts), key=len)
+        scored = 0
+        with torch.inference_mode():
+            for start in range(0, len(encoded), self.batch):
+                rows = encoded[start:start + self.batch]
+                width = max(map(len, rows))
+                ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+                mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+                logits = self.model(input_ids=ids, attention_mask=mask).logits.float()
+                logprobs = torch.log_softmax(logits[:, :-1], -1).gather(2, ids[:, 1:, None])[..., 0]
+                (logprobs * mask[:, 1:]).sum(1)
+                scored += int(mask[:, 1:].sum())
+        return scored, time.perf_counter() - started
+
+
+def ray_against_in_process(source: str, folder: str, dtype: str) -> None:
+    """The whole job, model loads included: in process, then on a local Ray of 2 workers."""
+    from logprobe.datasets import job, ray_job
+    from logprobe.datasets.columns import ScoreOptions
+    from logprobe.datasets.scorer import InProcessScorer
+
+    ray_job.start_ray(None, workers=2)
+    for name in ("in-process", "ray x2", "in-process", "ray x2"):
+        out = os.path.join(folder, f"{name}.parquet")
+        started = time.perf_counter()
+        if name == "in-process":
+            job.run(source, out, lambda: InProcessScorer.from_model(dtype=dtype), ScoreOptions(), resume=False,
+                    progress="none")
+        else:
+            ray_job.run(source, out, ScoreOptions(), dtype=dtype, workers=2, progress="none")
+        print(f"  {name:>10}: {time.perf_counter() - started:6.1f} s for the whole job (model loads included)",
+              flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--ray", action="store_true", help="also the job on a local Ray with 2 workers")
+    ap.add_argument("--skip-transformers", action="store_true")
+    args = ap.parse_args()
+
+    from logprobe.datasets.columns import ScoreOptions
+    from logprobe.datasets.scorer import InProcessScorer
+    from logprobe.engine import loader
+
+    print(f"conditions: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch threads "
+          f"{__import__('torch').get_num_threads()}, {args.dtype}, {args.rows} rows of {LENGTHS} words, "
+          f"{args.rounds} rounds, {time.strftime('%Y-%m-%d')}", flush=True)
+    scorer = InProcessScorer.from_model(dtype=args.dtype, options=ScoreOptions())
+    server = servers.start(["--dtype", args.dtype])
+    arms = {"in-process": None, "loop": lambda t: request_loop(server.base, t, 1),
+            "8 clients": lambda t: request_loop(server.base, t, 8)}
+    if not args.skip_transformers:
+        peer = TransformersLoop(str(loader.ensure_cached(str(loader.bundled_gguf_path()))), args.dtype)
+        arms["transformers"] = peer
+    rates: dict[str, list[float]] = {name: [] for name in arms}
+    try:
+        with tempfile.TemporaryDirectory(prefix="score-dataset-") as folder:
+            for round_number in range(args.rounds):
+                texts = make_rows(args.rows, salt=1000 + round_number)
+                order = list(arms) if round_number % 2 == 0 else list(reversed(arms))
+                for name in order:
+                    run = arms[name] or (lambda t: in_process(scorer, t, folder))
+                    tokens, wall = run(texts)
+                    rates[name].append(tokens / wall)
+                    print(f"  round {round_number + 1} {name:>12}: {tokens} tokens in {wall:6.2f} s = "
+                          f"{tokens / wall:8.1f} tok/s", flush=True)
+            print("tokens/s (median of rounds) and the median per-round ratio to the in-process job:")
+            for name, values in rates.items():
+                ratios = [base / v for base, v in zip(rates["in-process"], values)]
+                print(f"  {name:>12}: {statistics.median(values):8.1f} tok/s; in-process is "
+                      f"{statistics.median(ratios):.2f}x this (rounds {', '.join(f'{r:.2f}' for r in ratios)})")
+            if args.ray:
+                server.terminate()
+                scorer.close()
+                ray_against_in_process(write_input(make_rows(args.rows, salt=999), folder), folder, args.dtype)
+    finally:
+        server.terminate()
+        scorer.close()
+
+
+if __name__ == "__main__":
+    main()

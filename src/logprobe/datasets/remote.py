@@ -1,0 +1,199 @@
+"""Scoring rows on running servers: /v1/score over HTTP, several requests in flight.
+
+Rows go out in requests of `batch_rows`, spread over the servers in turn, at most `concurrency` at
+once. 429 and 503 (and a dropped connection) are retried with exponential backoff, waiting at least
+what Retry-After says; a refusal a retry cannot fix (400, 401, 403, 404, 413, 422) ends the job with
+the server's message. Token strings come from the server too (a one-token /v1/score per unseen id), so
+they are the ones the in-process path gives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+
+from .columns import ScoreOptions, empty_record, error_record, summary, to_table
+from .io import DatasetError, Row
+from .job import run_sync
+
+RETRIED = {429, 500, 502, 503, 504}
+REFUSED = {400, 401, 403, 404, 405, 413, 422}
+
+
+class RemoteRefused(DatasetError):
+    """A server refused a request for a reason that a retry cannot fix."""
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        self.code = code
+
+
+class RemoteScorer:
+    """Scores rows on one or more running logprobe servers (`urls`)."""
+
+    def __init__(self, urls: list[str], api_key: str | None = None, model: str | None = None, concurrency: int = 8,
+                 options: ScoreOptions = ScoreOptions(), batch_rows: int = 16, max_attempts: int = 8,
+                 transport=None):
+        """`batch_rows`: rows per request (at most the server's max_prompts); `max_attempts`: tries of
+        a request that meets 429/503/5xx or a dropped connection; `transport`: httpx's (tests)."""
+        if options.stats:
+            raise DatasetError("--stats needs in-process scoring: /v1/score does not return entropy")
+        if not urls:
+            raise DatasetError("no server URL given")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.model_name = model or "smollm2-135m"
+        self.concurrency = max(1, concurrency)
+        self.options = options
+        self.batch_rows = max(1, batch_rows)
+        self.max_attempts = max_attempts
+        self._next_url = itertools.cycle(range(len(self.urls)))
+        self._strings: dict[int, str] = {}
+        self._transport = transport
+
+    def prepare(self, rows: list[Row]) -> list:
+        """Nothing is checked before scoring: the server checks each request."""
+        from .scorer import Prepared
+
+        return [Prepared(row) for row in rows]
+
+    def refuse_invalid(self, prepared: list) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+    def score(self, rows: list[Row]):
+        """A pyarrow Table of the rows' scores, in the order given."""
+        return to_table(run_sync(self.run(self.prepare(rows))), self.options)
+
+    async def run(self, prepared: list) -> list[dict]:
+        """Records of prepared rows, in the given order."""
+        import httpx
+
+        rows = [p.row for p in prepared]
+        todo = sorted((r for r in rows if r.text), key=lambda r: (r.context or "", len(r.text)))
+        batches = [todo[i:i + self.batch_rows] for i in range(0, len(todo), self.batch_rows)]
+        gate = asyncio.Semaphore(self.concurrency)
+        # No overall deadline: a long batch on a loaded server may take minutes; connecting may not
+        async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=60.0), headers=self.headers,
+                                     transport=self._transport) as client:
+            async def one(batch):
+                async with gate:
+                    return await self._score_batch(client, batch)
+
+            results = await asyncio.gather(*(one(b) for b in batches))
+            records = {r.index: rec for batch, recs in zip(batches, results) for r, rec in zip(batch, recs)}
+            if self.options.top:
+                await self._name_tops(client, records.values())
+        for row in rows:
+            if not row.text:
+                records[row.index] = empty_record(row.id, self.options)
+        return [records[r.index] for r in rows]
+
+    # ---- requests -----------------------------------------------------------------------------
+    async def _score_batch(self, client, batch: list[Row]) -> list[dict]:
+        body = {"model": self.model_name, "input": [r.text for r in batch], "add_bos": self.options.add_bos,
+                "return_tokens_as_token_ids": bool(self.options.top)}
+        if any(r.context for r in batch):
+            body["context"] = [r.context or "" for r in batch]
+        if self.options.top:
+            body["top_logprobs"] = self.options.top
+        try:
+            data = (await self._post(client, "/v1/score", body))["data"]
+        except RemoteRefused as exc:
+            if not (self.options.skip_invalid and exc.code == "context_length_exceeded"):
+                raise
+            if len(batch) == 1:
+                return [error_record(batch[0].id, exc.message)]
+            # Find the rows at fault: each alone
+            return [rec for r in batch for rec in await self._score_batch(client, [r])]
+        return [self._record(r, entry) for r, entry in zip(batch, data)]
+
+    async def _post(self, client, path: str, body: dict) -> dict:
+        import httpx
+
+        for attempt in range(1, self.max_attempts + 1):
+            url = self.urls[next(self._next_url)] + path
+            wait = min(30.0, 0.5 * 2 ** attempt) * (0.5 + random.random() / 2)
+            try:
+                r = await client.post(url, json=body)
+            except httpx.TransportError as exc:
+                problem = f"{url}: {type(exc).__name__}: {exc}"
+            else:
+                if r.status_code == 200:
+                    return r.json()
+                message, code = _error_of(r)
+                problem = f"{url} answered {r.status_code}: {message}"
+                if r.status_code in REFUSED or r.status_code not in RETRIED:
+                    raise RemoteRefused(f"the server refused: {problem}", code)
+                wait = max(wait, _retry_after(r))
+            if attempt == self.max_attempts:
+                raise DatasetError(f"gave up after {attempt} attempts: {problem}")
+            await asyncio.sleep(wait)
+        raise AssertionError("unreachable")
+
+    async def _name_tops(self, client, records) -> None:
+        """Token strings of the top ids: the server's own, asked once per id (a one-token score each)."""
+        records = [r for r in records if "top_ids" in r]
+        wanted = {i for r in records for row in r["top_ids"] if row for i in row}
+        wanted.update(i for r in records if "tokens" in r for i in r["token_ids"])
+        unseen = sorted(wanted - set(self._strings))
+        for start in range(0, len(unseen), 128):
+            ids = unseen[start:start + 128]
+            data = (await self._post(client, "/v1/score", {"model": self.model_name, "input": [[i] for i in ids],
+                                                            "add_bos": False}))["data"]
+            self._strings.update((i, entry["tokens"][0]) for i, entry in zip(ids, data))
+        for record in records:
+            record["top_tokens"] = [None if row is None else [self._strings[i] for i in row]
+                                    for row in record["top_ids"]]
+        for record in records:
+            if "tokens" in record:
+                record["tokens"] = [self._strings.get(i, t) for i, t in zip(record["token_ids"], record["tokens"])]
+
+    def _record(self, row: Row, entry: dict) -> dict:
+        record = summary(row.id, entry["num_tokens"], entry["logprob"], entry["mean_logprob"], entry["perplexity"])
+        if self.options.tokens:
+            record.update(tokens=entry["tokens"], token_ids=entry["token_ids"],
+                          token_logprobs=entry["token_logprobs"], ranks=entry["token_ranks"])
+        if self.options.top:
+            ids, values = [], []
+            for position, alternatives in enumerate(entry["top_logprobs"]):
+                if alternatives is None:
+                    ids.append(None)
+                    values.append(None)
+                    continue
+                pairs = _top_of(alternatives, self.options.top)
+                ids.append([i for i, _ in pairs])
+                values.append([v for _, v in pairs])
+            record.update(top_ids=ids, top_logprobs=values)
+        return record
+
+
+def _error_of(response) -> tuple[str, str | None]:
+    try:
+        error = response.json()["error"]
+        return str(error.get("message", error)), error.get("code")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return response.text[:300], None
+
+
+def _retry_after(response) -> float:
+    try:
+        return min(300.0, max(0.0, float(response.headers.get("retry-after", "0"))))
+    except ValueError:
+        return 1.0
+
+
+
+def _top_of(alternatives: dict, k: int) -> list[tuple[int, float]]:
+    """The k likeliest (id, log probability) in order, from a /v1/score top_logprobs map keyed
+    `token_id:N`: the token itself first, then the k likeliest without it (k + 1 entries when it is not
+    among them, k when it is; then it goes before the others of its value)."""
+    pairs = [(int(key.split(":", 1)[1]), value) for key, value in alternatives.items()]
+    token, others = pairs[0], pairs[1:]
+    if len(pairs) == k + 1:
+        return others
+    at = sum(1 for _, value in others if value > token[1])
+    return others[:at] + [token] + others[at:]

@@ -1,0 +1,162 @@
+"""Scoring rows in process: the /v1/score code (api/scoring.py) run straight on an engine.
+
+Each row is tokenized and checked against the context as /v1/score does, so a row's numbers are the
+API's. All rows of a call go to the engine at once, sorted so that rows with the same context sit
+together (the prefix cache keeps a shared context's keys and values) and lengths grow steadily; the
+engine batches prompt-only requests itself and stays full.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from .columns import ScoreOptions, empty_record, error_record, summary, to_table
+from .io import DatasetError, Row
+from .job import run_sync
+from .remote import RemoteScorer  # noqa: F401  (scorer.RemoteScorer is part of this module's interface)
+
+__all__ = ["ScoreOptions", "InProcessScorer", "RemoteScorer", "Prepared"]
+
+
+@dataclass
+class Prepared:
+    """A row tokenized and checked: `item` (api/scoring.ScoreItem) to run, or `error` (why it cannot
+    be scored), or neither (an empty text: nothing to score)."""
+
+    row: Row
+    item: object | None = None
+    error: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.item.token_ids) if self.item is not None else 0
+
+
+class InProcessScorer:
+    """Scores rows on an engine in this process (`logprobe.engine.engine.Engine`, started)."""
+
+    def __init__(self, engine, options: ScoreOptions = ScoreOptions()):
+        from ..config import Limits
+
+        self.engine = engine
+        self.options = options
+        self.limits = Limits()
+        self.model_name = engine.info.name
+        self._owns_engine = False
+
+    @classmethod
+    def from_model(cls, model: str | None = None, dtype: str = "float32", device: str = "cpu",
+                   options: ScoreOptions = ScoreOptions()) -> "InProcessScorer":
+        """Load `model` (a name `logprobe serve --model` takes; None: the bundled model) and start its
+        engine. `close()` stops it."""
+        from ..config import Settings
+        from ..engine import loader
+        from ..engine.engine import Engine
+
+        source = loader.resolve_source(model)
+        engine = Engine.from_settings(Settings(model=model, dtype=dtype, device=device), source, source.aliases)
+        engine.start()
+        scorer = cls(engine, options)
+        scorer._owns_engine = True
+        return scorer
+
+    def close(self) -> None:
+        """Stop the engine if `from_model` started it."""
+        if self._owns_engine:
+            self.engine.stop()
+            self._owns_engine = False
+
+    # ---- the steps ----------------------------------------------------------------------------
+    def prepare(self, rows: list[Row]) -> list[Prepared]:
+        """Tokenize and check every row as /v1/score would; a row that cannot be scored gets its reason."""
+        from ..api import scoring
+        from ..api.errors import APIError
+
+        out = []
+        for row in rows:
+            if not row.text:
+                out.append(Prepared(row))
+                continue
+            req = self._request([row.text], [row.context])
+            try:
+                items = scoring.tokenize(self.engine, req)
+                scoring.check_caps(self.engine, req, items, self.limits)
+            except APIError as exc:
+                out.append(Prepared(row, error=exc.message))
+                continue
+            out.append(Prepared(row, item=items[0]))
+        return out
+
+    def refuse_invalid(self, prepared: list[Prepared]) -> None:
+        """Without skip_invalid, a row that cannot be scored ends the job before anything is scored."""
+        bad = [p for p in prepared if p.error is not None]
+        if bad and not self.options.skip_invalid:
+            first = bad[0]
+            more = f" (and {len(bad) - 1} more rows: {', '.join(p.row.id for p in bad[1:4])}" \
+                   f"{', ...' if len(bad) > 4 else ''})" if len(bad) > 1 else ""
+            raise DatasetError(f"row {first.row.index} (id {first.row.id!r}) cannot be scored: {first.error}{more} "
+                               "(--skip-invalid scores the others and records why in an 'error' column)")
+
+    async def run(self, prepared: list[Prepared]) -> list[dict]:
+        """Records (see columns.py) of prepared rows, in the given order."""
+        from ..api import scoring
+
+        todo = sorted((p for p in prepared if p.item is not None),
+                      key=lambda p: (p.row.context or "", p.num_tokens))
+        records: dict[int, dict] = {}
+        if todo:
+            req = self._request([p.row.text for p in todo], [p.row.context for p in todo])
+            items = [p.item for p in todo]
+            requests = scoring.build_requests(self.engine, req, items, "dataset")
+            if self.options.stats:
+                requests = [replace(r, params=replace(r.params, position_stats=True)) for r in requests]
+            outputs = await self.engine.run(requests)
+            payload, _ = scoring.format_response(self.engine, req, items, requests, outputs)
+            for p, entry, out in zip(todo, payload["data"], outputs):
+                records[p.row.index] = self._record(p, entry, out.prompt_columns)
+        for p in prepared:
+            if p.error is not None:
+                records[p.row.index] = error_record(p.row.id, p.error)
+            elif p.item is None:
+                records[p.row.index] = empty_record(p.row.id, self.options)
+        return [records[p.row.index] for p in prepared]
+
+    def score(self, rows: list[Row]):
+        """A pyarrow Table of the rows' scores, in the order given (columns.py names the columns)."""
+        prepared = self.prepare(rows)
+        self.refuse_invalid(prepared)
+        return to_table(run_sync(self.run(prepared)), self.options)
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def _request(self, texts: list[str], contexts: list[str | None]):
+        from ..api.scoring import ScoreRequest
+
+        return ScoreRequest(self.model_name, texts, contexts, self.options.add_bos,
+                            self.options.top or None, False, None)
+
+    def _record(self, p: Prepared, entry: dict, columns) -> dict:
+        """One row's record from its /v1/score entry and, for top-k and entropy, the engine's columns."""
+        opts, first = self.options, p.item.first
+        record = summary(p.row.id, entry["num_tokens"], entry["logprob"], entry["mean_logprob"], entry["perplexity"])
+        if opts.tokens:
+            record.update(tokens=entry["tokens"], token_ids=entry["token_ids"],
+                          token_logprobs=entry["token_logprobs"], ranks=entry["token_ranks"])
+        scored = slice(first, len(p.item.token_ids))
+        unpredicted = first == 0  # nothing predicts the first token: its entries are null
+        if opts.top:
+            top_ids = columns.top_ids[scored, :opts.top]
+            strings = self.engine.table.strings
+            record["top_ids"] = top_ids.tolist()
+            record["top_tokens"] = [strings[row].tolist() for row in top_ids]
+            record["top_logprobs"] = columns.top_logprobs[scored, :opts.top].astype(np.float64).tolist()
+            if unpredicted:
+                for name in ("top_ids", "top_tokens", "top_logprobs"):
+                    record[name][0] = None
+        if opts.stats:
+            entropy = columns.extras.entropy[scored].astype(np.float64).tolist()
+            if unpredicted and entropy:
+                entropy[0] = None
+            record["entropy"] = entropy
+        return record
