@@ -54,7 +54,7 @@ def proxy_pids(session_pids: list[int]) -> list[int]:
 async def _load_client(client: httpx.AsyncClient, base: str, i: int, deadline: float, out: dict) -> None:
     body = {"model": MODEL, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 48, "temperature": 0,
             "stream": True}
-    while time.monotonic() < deadline:
+    while not out["done"]:
         try:
             async with client.stream("POST", base + "/v1/completions", json=body) as r:
                 lines = [line async for line in r.aiter_lines() if line]
@@ -69,7 +69,7 @@ async def _load_client(client: httpx.AsyncClient, base: str, i: int, deadline: f
 async def _whole_vocab_client(client: httpx.AsyncClient, base: str, deadline: float, out: dict) -> None:
     """Whole-vocabulary answers as JSON (about 4 MB a position): big bodies through the ingress and proxy."""
     body = {"model": MODEL, "prompt": " ".join(PROMPTS), "max_tokens": 0, "prompt_logprobs": -1}
-    while time.monotonic() < deadline:
+    while not out["done"]:
         try:
             r = await client.post(base + "/v1/completions", json=body)
             if r.status_code != 200:
@@ -80,9 +80,13 @@ async def _whole_vocab_client(client: httpx.AsyncClient, base: str, deadline: fl
             out["failures"].append(f"whole vocabulary: {type(exc).__name__}: {exc}")
 
 
-async def _probe(client: httpx.AsyncClient, base: str, deadline: float, out: dict) -> None:
+async def _probe(client: httpx.AsyncClient, base: str, deadline: float, out: dict, min_probes: int,
+                 last: float) -> None:
     small = {"model": MODEL, "prompt": "Hi", "max_tokens": 1, "temperature": 0}
-    while time.monotonic() < deadline:
+    # at least `seconds`; then on (up to ten times as long) until `min_probes` probes have been answered,
+    # a request has finished and the engines were seen with two at once, however slow the machine
+    while time.monotonic() < deadline or (time.monotonic() < last and min_probes and (
+            out["probes"] < min_probes or out["finished"] < 1 or out["most_in_flight"] < 2)):
         for method, path, body in (("GET", "/health", None), ("POST", "/tokenize", {"model": MODEL, "prompt": "Hi"}),
                                    ("POST", "/v1/completions", small)):
             t0 = time.monotonic()
@@ -103,17 +107,27 @@ async def _probe(client: httpx.AsyncClient, base: str, deadline: float, out: dic
         await asyncio.sleep(1.0)
 
 
-async def saturate(base: str, seconds: float, clients: int, whole_vocab_clients: int = 0) -> dict:
-    """Load and probes for `seconds`; what happened (see the module's docstring)."""
+async def _probes_then_stop(*args) -> None:
+    out = args[3]
+    try:
+        await _probe(*args)
+    finally:
+        out["done"] = True  # the load clients stop after their request in flight
+
+
+async def saturate(base: str, seconds: float, clients: int, whole_vocab_clients: int = 0,
+                   min_probes: int = 0) -> dict:
+    """Load and probes for `seconds` (longer while fewer than `min_probes` probes were answered, no
+    request finished or the engines never held two: a test's minimum, not a speed); what happened."""
     out = {"finished": 0, "probes": 0, "failures": [], "slowest_probe_s": 0.0, "most_in_flight": 0,
-           "fewest_ready": 1 << 30}
+           "fewest_ready": 1 << 30, "done": False}
     deadline = time.monotonic() + seconds
     limits = httpx.Limits(max_connections=clients + 4)
     async with httpx.AsyncClient(timeout=TIMEOUT, limits=limits) as load, \
             httpx.AsyncClient(timeout=TIMEOUT) as probes:
         await asyncio.gather(*[_load_client(load, base, i, deadline, out) for i in range(clients)],
                              *[_whole_vocab_client(load, base, deadline, out) for _ in range(whole_vocab_clients)],
-                             _probe(probes, base, deadline, out))
+                             _probes_then_stop(probes, base, deadline, out, min_probes, deadline + 9 * seconds))
     return out
 
 

@@ -332,7 +332,7 @@ SATURATE_S = 90
 
 
 def test_saturated_replicas_leave_the_proxy_answering(cluster):
-    """Eight clients keep both replicas (2 torch threads each, on however few cores) busy for 90 s while
+    """Eight clients keep both replicas (1 torch thread each, on however few cores) busy for 90 s while
     /health, /tokenize and 1-token completions are probed one after another: no connection is dropped,
     every probe is answered 200 (each within its 120 s timeout), and Serve's proxy is the same process
     at the end. Replicas run niced (ray_app.REPLICA_NICENESS) and the proxy's health check is patient,
@@ -342,7 +342,7 @@ def test_saturated_replicas_leave_the_proxy_answering(cluster):
 
     proxies, replicas = saturation.proxy_pids(cluster.session_pids()), _replica_pids(cluster)
     assert len(proxies) == 1 and len(replicas) == 2
-    result = asyncio.run(saturation.saturate(cluster.base, SATURATE_S, clients=8))
+    result = asyncio.run(saturation.saturate(cluster.base, SATURATE_S, clients=8, min_probes=3))
     assert result["failures"] == [], result["failures"][:10]
     assert result["finished"] > 0 and result["probes"] >= 3
     assert result["most_in_flight"] >= 2  # the engines had the load
