@@ -1,7 +1,7 @@
 """Scoring a dataset (docs/datasets.md): the in-process job against the other ways to get the same numbers.
 
-N rows of varied length (4 to 256 words, new words in every round so that no prefix cache serves a
-row twice) are scored, at one dtype, by
+`--rows` texts of varied length (1 to 48 words, log-spaced, random words: no prefix cache serves a row
+twice) are scored, at one dtype, by
 
 - **in-process**: `logprobe.datasets.job.run` on a started `InProcessScorer` (the `logprobe score --input`
   path, the output file written; the model load is not timed),
@@ -12,14 +12,17 @@ row twice) are scored, at one dtype, by
   of 16 padded on the right, a forward, log_softmax, each target token's log probability, summed per row,
 
 and the figure is scored tokens per second (BOS first, as logprobe scores by default; the transformers
-loop is given the same BOS). The arms take turns in every round, in an order that alternates between
-rounds, because this machine's speed drifts by up to 2x within minutes; the ratios printed are medians
-of the per-round ratios to the in-process job. `--ray` adds the job on a local Ray with 2 workers against
-the in-process job, both timed with their model loads (the Ray job starts its actors and loads the model
-in each; Ray itself is started before the clock).
+loop is given the same BOS). The rows are split into `--rounds` rounds; in every round each arm scores
+that round's rows, the arms taking turns in an order that alternates between rounds, because this
+machine's speed drifts by up to 2x within minutes; the ratios printed are medians of the per-round
+ratios to the in-process job. The two HTTP arms score every `--http-every`-th row of a round (the same
+mix of lengths), so that a run fits in minutes; their rate is that subset's. `--ray` adds the whole job
+on a local Ray with 2 workers against the whole in-process job, on `--ray-rows` rows, both timed with
+their model loads (the Ray job starts its actors and loads the model in each; Ray itself is started
+before the clock).
 
-    python benchmarks/score_dataset.py [--rows 256] [--rounds 3] [--dtype float32|bfloat16] [--ray]
-                                       [--skip-transformers]
+    python benchmarks/score_dataset.py [--rows 5000] [--rounds 5] [--http-every 5] [--dtype float32|bfloat16]
+                                       [--ray] [--ray-rows 1000] [--skip-transformers]
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import servers  # noqa: E402  (benchmarks/servers.py)
 
 MODEL = "smollm2-135m"
-LENGTHS = (4, 16, 64, 256)  # words a row, in equal shares
+LENGTHS = (1, 2, 3, 6, 12, 24, 48)  # words a row, in equal shares (~16 tokens a row on average)
 WORDS = ("time year people way day man thing woman life child world school state family student group "
          "country problem hand part place case week company system program question work government number "
          "night point home water room mother area money story fact month lot right study book eye job word "
@@ -49,10 +52,12 @@ WORDS = ("time year people way day man thing woman life child world school state
 
 
 def make_rows(count: int, salt: int) -> list[str]:
-    """`count` texts, lengths cycling through LENGTHS, each opening with its own number (no shared prefix)."""
+    """`count` texts of random words, lengths cycling through LENGTHS, in a shuffled order."""
     rng = random.Random(salt)
-    return [f"{salt}-{i}: " + " ".join(rng.choice(WORDS) for _ in range(LENGTHS[i % len(LENGTHS)]))
-            for i in range(count)]
+    texts = [" ".join(rng.choice(WORDS).capitalize() if j == 0 else rng.choice(WORDS)
+                      for j in range(LENGTHS[i % len(LENGTHS)])) + "." for i in range(count)]
+    rng.shuffle(texts)
+    return texts
 
 
 def write_input(texts: list[str], folder: str) -> str:
@@ -151,8 +156,10 @@ def ray_against_in_process(source: str, folder: str, dtype: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rows", type=int, default=256)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rows", type=int, default=5000)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--http-every", type=int, default=5, help="the HTTP arms score every n-th row of a round")
+    ap.add_argument("--ray-rows", type=int, default=1000)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--ray", action="store_true", help="also the job on a local Ray with 2 workers")
     ap.add_argument("--skip-transformers", action="store_true")
@@ -164,11 +171,13 @@ def main() -> None:
 
     print(f"conditions: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch threads "
           f"{__import__('torch').get_num_threads()}, {args.dtype}, {args.rows} rows of {LENGTHS} words, "
-          f"{args.rounds} rounds, {time.strftime('%Y-%m-%d')}", flush=True)
+          f"{args.rounds} rounds, HTTP arms on every {args.http_every}th row, load average "
+          f"{os.getloadavg()[0]:.1f}, {time.strftime('%Y-%m-%d')}", flush=True)
     scorer = InProcessScorer.from_model(dtype=args.dtype, options=ScoreOptions())
     server = servers.start(["--dtype", args.dtype])
-    arms = {"in-process": None, "loop": lambda t: request_loop(server.base, t, 1),
-            "8 clients": lambda t: request_loop(server.base, t, 8)}
+    every = max(1, args.http_every)
+    arms = {"in-process": None, "loop": lambda t: request_loop(server.base, t[::every], 1),
+            "8 clients": lambda t: request_loop(server.base, t[::every], 8)}
     if not args.skip_transformers:
         peer = TransformersLoop(str(loader.ensure_cached(str(loader.bundled_gguf_path()))), args.dtype)
         arms["transformers"] = peer
@@ -176,7 +185,7 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory(prefix="score-dataset-") as folder:
             for round_number in range(args.rounds):
-                texts = make_rows(args.rows, salt=1000 + round_number)
+                texts = make_rows(args.rows // args.rounds, salt=1000 + round_number)
                 order = list(arms) if round_number % 2 == 0 else list(reversed(arms))
                 for name in order:
                     run = arms[name] or (lambda t: in_process(scorer, t, folder))
@@ -192,7 +201,7 @@ def main() -> None:
             if args.ray:
                 server.terminate()
                 scorer.close()
-                ray_against_in_process(write_input(make_rows(args.rows, salt=999), folder), folder, args.dtype)
+                ray_against_in_process(write_input(make_rows(args.ray_rows, salt=999), folder), folder, args.dtype)
     finally:
         server.terminate()
         scorer.close()

@@ -37,6 +37,7 @@ from logprobe.engine.output_processor import OutputProcessor
 from logprobe.engine.picks import Pick
 from logprobe.engine.request import SequenceGroup
 from logprobe.engine.streaming import release_all, releasers_of
+from logprobe.engine.tree import Children, TreeGroup, group_for
 from logprobe.tokens import TokenTable
 
 MODEL_SALT = 0x10C9
@@ -323,6 +324,34 @@ def pick_rows(rows: list[np.ndarray], params, seeds: list[int], k: int) -> Pick:
                 {name: np.asarray(values) for name, values in columns.items()})
 
 
+def tree_children(rows: list[np.ndarray], params, shape) -> Children:
+    """engine/tree_passes.children_of in numpy (temperature, top-k and top-p; no steering): each row's
+    `branches` likeliest tokens of the processed distribution that may be drawn, cut by `branch_p`."""
+    k = min(shape.branches, len(rows[0]))
+    counts, ids, raws, processed, ranks, entropies = [], [], [], [], [], []
+    for row in rows:
+        if params.is_greedy:
+            dist = np.full(len(row), -np.inf, np.float32)
+            dist[int(np.argmax(row))] = 0.0
+        else:
+            scores = filtered_scores(row, params)
+            top = scores.max()
+            dist = (scores - top - np.log(np.exp(scores - top).sum())).astype(np.float32)
+        chosen, values = top_k(dist, k)
+        keep = np.isfinite(values)
+        if shape.branch_p is not None:
+            probs = np.exp(values.astype(np.float64))
+            keep &= (np.cumsum(probs) - probs) < shape.branch_p
+        counts.append(int(keep.sum()))
+        ids.append(chosen)
+        raws.append(row[chosen])
+        processed.append(values)
+        ranks.append(ranks_of(row, row[chosen]))
+        entropies.append(entropy_of(row))
+    return Children(np.asarray(counts, np.int64), np.stack(ids), np.stack(raws).astype(np.float32),
+                    np.stack(processed), np.stack(ranks).astype(np.int64), np.asarray(entropies, np.float32))
+
+
 # ---- records ---------------------------------------------------------------------------------------
 
 
@@ -461,6 +490,10 @@ class FakeBackend:
         """One engine step of a group: the prefill (prompt columns, first token) or one decode step.
         Returns the rows it ran."""
         params, prompt = group.params, group.prompt_ids
+        if isinstance(group, TreeGroup):  # a level of a token tree: the frontier's rows, the engine's growth
+            rows = [self.logprobs_after(prompt + (group.path(node) if node >= 0 else [])) for node in group.frontier]
+            group.grow(tree_children(rows, params, group.shape))
+            return len(rows)
         num_rows = len(group.active_rows)
         if not group.active_rows:  # the prefill
             group.num_computed_tokens = group.num_prompt_tokens
@@ -513,8 +546,7 @@ class FakeBackend:
     # ---- the Backend protocol ----------------------------------------------------------------
     async def run(self, requests: list[GenerationRequest]) -> list[GenerationOutput]:
         self._record("run", requests)
-        groups = {i: SequenceGroup.from_request(r, self.table) for i, r in enumerate(requests)
-                  if r.params.needs_forward}
+        groups = {i: group_for(r, self.table) for i, r in enumerate(requests) if r.params.needs_forward}
         self._running += groups.values()
         self.in_flight += len(groups)
         try:

@@ -40,6 +40,15 @@ class Intervention:
     source_text: str | None = None  # "patch" on a text: the API tokenizes it into source_ids
 
 
+@dataclass(frozen=True)
+class Constraint:
+    """A grammar the generated text must follow (docs/api.md: response_format, structured_outputs), as the
+    API checked it."""
+
+    kind: str  # "json_object" | "json_schema" | "regex" | "choice" | "grammar" (Lark)
+    source: str  # the schema as canonical JSON text, the regex, the choices as a JSON array text, the grammar
+
+
 @dataclass
 class SamplingParams:
     """Everything the engine needs to run one prompt's choices."""
@@ -66,6 +75,11 @@ class SamplingParams:
     logprobs_mode: str = "raw"  # "raw", "processed" (the distribution the token was drawn from) or "both"
     interventions: tuple[Intervention, ...] = ()  # changes to the residual stream, in order (docs/api.md, 2.4)
     return_unmodified: bool = False  # ... and the log probabilities of the same tokens without them
+    # Steering (docs/api.md, section 2.5): what the token is drawn from, never what `raw` reports
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in -100..100) added to the raw log probs
+    allowed_token_ids: tuple[int, ...] | None = None  # only these may be drawn
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()  # token sequences that may not be completed
+    constraint: Constraint | None = None  # a grammar the text follows
 
     @property
     def is_greedy(self) -> bool:
@@ -96,6 +110,17 @@ class SamplingParams:
     def needs_position_columns(self) -> bool:
         """Whether prompt and generated positions carry `PositionColumns` (asked ids, statistics)."""
         return bool(self.logprob_token_ids) or self.position_stats or self.top_logprobs_p is not None
+
+    @property
+    def is_steered(self) -> bool:
+        """Whether something beyond temperature, top-k and top-p shapes the draw (engine/steering.py)."""
+        return (bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words_ids)
+                or self.constraint is not None)
+
+    @property
+    def is_masked(self) -> bool:
+        """Whether some tokens may not be drawn (not a bias): the choice reports `constraint_logprobs`."""
+        return self.allowed_token_ids is not None or bool(self.bad_words_ids) or self.constraint is not None
 
     @property
     def records_processed(self) -> bool:
@@ -183,14 +208,39 @@ class ModelInfo:
 # ---- what the API hands over ---------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class TreeShape:
+    """A token tree's request beyond its prompt (POST /v1/tree, docs/api.md): expand each node's
+    likeliest children, ranked by the processed distribution (the one a token would be drawn from), to
+    `depth` tokens below the prompt. Each node gets at most `branches` children; with `branch_p`, only
+    the fewest likeliest whose processed probability reaches p (at most `branches`)."""
+
+    depth: int
+    branches: int
+    branch_p: float | None = None
+
+    @property
+    def max_nodes(self) -> int:
+        """Nodes of the full tree: branches + branches^2 + ... + branches^depth."""
+        return sum(self.branches ** level for level in range(1, self.depth + 1))
+
+
+INTERACTIVE, BATCH = "interactive", "batch"  # the values of GenerationRequest.priority
+PRIORITIES = (INTERACTIVE, BATCH)
+
+
 @dataclass
 class GenerationRequest:
-    """One prompt and its `params.n` choices."""
+    """One prompt and its `params.n` choices (or, with `tree`, its token tree)."""
 
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
     text_start: int = 0  # where the generated text starts in the choice's text (after an echoed prompt)
+    tree: TreeShape | None = None  # a token tree instead of choices (engine/tree.py)
+    # "interactive" (an HTTP request) or "batch" (a line of a /v1/batches job): batch lines run in the
+    # capacity interactive requests leave, in admission and in the engine's scheduler (docs/serving.md)
+    priority: str = "interactive"
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -199,7 +249,9 @@ class GenerationRequest:
     @property
     def held_tokens(self) -> int:
         """What admission holds for this request: (prompt tokens + max_tokens) x n. A request of
-        several prompts holds the sum over them."""
+        several prompts holds the sum over them. A tree holds its prompt and every node it may have."""
+        if self.tree is not None:
+            return self.num_prompt_tokens + self.tree.max_nodes
         return (self.num_prompt_tokens + self.params.max_tokens) * self.params.n
 
 
@@ -231,6 +283,28 @@ class ChoiceOutput:
     # return_unmodified: the columns of prompt + kept tokens from a pass without the request's
     # interventions (row i: token i's log probability, rank and the top-k there)
     unmodified: PromptColumns | None = None
+    # ... a steered request's processed distribution has its own k likeliest (None: those of top_ids)
+    processed_top_ids: np.ndarray | None = None  # [T, k] int64
+    # a masked request (allowed_token_ids, bad_words, a grammar) with logprobs: log of the raw probability
+    # mass of the tokens the mask allowed at each kept token's position (0: nothing was masked there)
+    constraint_logprobs: np.ndarray | None = None  # [T] float32
+
+
+@dataclass
+class TokenTree:
+    """A token tree (`GenerationRequest.tree`) as columns, one row per node in breadth-first order (a
+    node's children are consecutive, in their processed order, the likeliest first)."""
+
+    parents: np.ndarray  # [N] int64: the parent's row, -1 for the prompt's children
+    depths: np.ndarray  # [N] int64: 1 for the prompt's children
+    token_ids: np.ndarray  # [N] int64
+    logprobs: np.ndarray  # [N] float32: raw log probability after the parent's path
+    processed_logprobs: np.ndarray  # [N] float32: in the distribution tokens are drawn from there
+    cumulative_logprobs: np.ndarray  # [N] float64: raw log probabilities summed along the path
+    ranks: np.ndarray  # [N] int64: 1 + the raw distribution's tokens strictly likelier
+    entropies: np.ndarray  # [N] float32: of the raw distribution the token is in (its parent's), nats
+    is_stop: np.ndarray  # [N] bool: a stop token (end of text): not expanded
+    num_forward_tokens: int = 0  # tokens run through the model: the prompt, then each expanded node once
 
 
 @dataclass
@@ -239,9 +313,12 @@ class GenerationOutput:
     num_prompt_tokens: int
     prompt_columns: PromptColumns | None  # when the request asked for prompt log probabilities
     choices: list[ChoiceOutput]
+    tree: TokenTree | None = None  # a tree request's answer (then `choices` is empty)
 
     @property
     def num_generated(self) -> int:
+        if self.tree is not None:
+            return len(self.tree.token_ids)
         return sum(c.num_generated for c in self.choices)
 
 
@@ -262,6 +339,11 @@ class Delta:
     offsets: list[int]
     finish_reason: str | None
     prompt_columns: PromptColumns | None = None  # on a choice's first delta, when the prompt was scored
+    constraint_logprobs: np.ndarray | None = None  # a masked request's (ChoiceOutput.constraint_logprobs)
+    # logprobs_mode "both": the processed columns of the same tokens (ChoiceOutput's processed_*)
+    processed_logprobs: np.ndarray | None = None
+    processed_top_ids: np.ndarray | None = None  # [T, k] the processed top-k's ids (top_ids when unsteered)
+    processed_top_logprobs: np.ndarray | None = None
 
 
 @dataclass

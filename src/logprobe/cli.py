@@ -45,7 +45,7 @@ def serve(settings: Settings) -> int:
     configure_logging(settings.log_level)
     log = logging.getLogger("logprobe")
     log_api_keys(settings)
-    app = create_app(None, settings.limits, settings.admission, settings.api_keys)
+    app = create_app(None, settings.limits, settings.admission, settings.api_keys, batch=settings.batch)
     # The HTTP server runs in a thread and the engine's step loop in the main thread, where torch's
     # CPU kernels run fastest (see Engine.run_forever). Signals arrive in the main thread.
     server = uvicorn.Server(uvicorn.Config(

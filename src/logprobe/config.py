@@ -33,7 +33,13 @@ class Limits:
     max_logprob_token_ids: int = option(128, "logprob_token_ids: most ids asked at every position")
     max_top_p_tokens: int = option(100, "top_logprobs_p: most tokens of one position's set (more: truncated)")
     max_interventions: int = option(16, "interventions: most changes to the residual stream in one request")
+    max_logit_bias: int = option(300, "logit_bias: most token ids in one request (OpenAI's cap)")
+    max_bad_words: int = option(128, "bad_words: most words in one request")
     max_n: int = option(16, "most choices (n) of one request")
+    max_tree_depth: int = option(8, "/v1/tree: most tokens below the prompt (depth)")
+    max_tree_branches: int = option(20, "/v1/tree: most children of one node (branches)")
+    max_tree_nodes: int = option(1024, "/v1/tree: most nodes of one tree (branches + branches^2 + ... "
+                                 "+ branches^depth)")
     max_prompts: int = option(256, "most prompts in one request")
     max_body_bytes: int = option(16 * 1024 * 1024, "largest request body (413 over it)")
     max_stop: int = option(4, "most stop strings")
@@ -80,6 +86,7 @@ class Settings:
     log_level: str = "info"
     limits: Limits = field(default_factory=Limits)
     admission: "AdmissionSettings" = field(default_factory=lambda: AdmissionSettings())
+    batch: "BatchSettings" = field(default_factory=lambda: BatchSettings())
     api_keys: list[str] = field(default_factory=list)
     # Replicas on Ray Serve (cluster/ray_app.py); "" is one process
     replicas: str = ""  # "N", or "MIN:MAX" to autoscale
@@ -103,6 +110,24 @@ class AdmissionSettings:
     queue_timeout: float = option(30.0, "seconds a request may wait for its hold before 429")
     request_timeout: float = option(600.0, "seconds a request may run once admitted (0: no limit)")
     drain_timeout: float = option(30.0, "on SIGTERM: seconds to finish running requests before exiting")
+
+
+def default_data_dir() -> str:
+    """Where batches and their files live by default: $XDG_DATA_HOME/logprobe, else
+    ~/.local/share/logprobe (per user, kept across restarts)."""
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return os.path.join(base, "logprobe")
+
+
+@dataclass
+class BatchSettings:
+    """The Batch API (docs/batch.md): where its store lives, its refusals and its retention."""
+
+    data_dir: str = option(default_data_dir(), "the batch store (SQLite) and its files")
+    max_file_bytes: int = option(200 * 1024 * 1024, "largest file uploaded to /v1/files")
+    max_batch_lines: int = option(50_000, "most lines (requests) of one batch")
+    file_retention_days: float = option(30.0, "days an uploaded or output file is kept")
+    batch_retention_days: float = option(30.0, "days a batch object is kept after it was created")
 
 
 def env_default(name: str, default):
@@ -189,13 +214,15 @@ def _add_serve(serve: argparse.ArgumentParser) -> None:
     auth.add_argument("--api-key-file", default=env_default("api_key_file", None), metavar="PATH",
                       help="a file of keys, one per line (# starts a comment)")
     for title, schema in (("size caps (docs/api.md, section 8)", Limits),
-                          ("the hold, queue and time limits (docs/serving.md)", AdmissionSettings)):
+                          ("the hold, queue and time limits (docs/serving.md)", AdmissionSettings),
+                          ("batches (docs/batch.md)", BatchSettings)):
         group = serve.add_argument_group(title)
         for f in fields(schema):
             group.add_argument("--" + f.name.replace("_", "-"), type=type(f.default),
                                default=env_default(f.name, f.default),
                                help=f.metadata["help"] + " (default %(default)s)",
-                               metavar="SECONDS" if isinstance(f.default, float) else "N")
+                               metavar=("PATH" if isinstance(f.default, str) else "DAYS" if f.name.endswith("_days")
+                                        else "SECONDS" if isinstance(f.default, float) else "N"))
 
 
 def _add_score(score: argparse.ArgumentParser) -> None:
@@ -229,7 +256,7 @@ def _add_score_dataset(group) -> None:
     group.add_argument("--id-column", metavar="COLUMN", help="a column of unique ids (default: the row number)")
     group.add_argument("--tokens", action="store_true",
                        help="add per-token columns: tokens, token_ids, token_logprobs, ranks")
-    group.add_argument("--stats", action="store_true", help="add the entropy (nats) at every position (in process)")
+    group.add_argument("--stats", action="store_true", help="add the entropy (nats) at every position")
     group.add_argument("--skip-invalid", action="store_true", help="score what can be and give the other rows "
                        "(e.g. a text past the context) an error column, instead of refusing the job")
     group.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
@@ -289,6 +316,7 @@ def settings_from_args(args) -> Settings:
     """The Settings of parsed `serve` flags (SystemExit when --api-key-file cannot be read)."""
     limits = Limits(**{f.name: getattr(args, f.name) for f in fields(Limits)})
     admission = AdmissionSettings(**{f.name: getattr(args, f.name) for f in fields(AdmissionSettings)})
+    batch = BatchSettings(**{f.name: getattr(args, f.name) for f in fields(BatchSettings)})
     try:
         keys = read_api_keys(args.api_key, args.api_key_file)
     except OSError as exc:
@@ -297,7 +325,7 @@ def settings_from_args(args) -> Settings:
     return Settings(model=specs[0].source, aliases=specs[0].aliases, models=specs, chat_template=args.chat_template,
                     dtype=args.dtype, device=args.device, quantization=args.quantization,
                     max_model_len=args.max_model_len, kv_cache_positions=args.kv_cache_positions, host=args.host,
-                    port=args.port, log_level=args.log_level, limits=limits, admission=admission,
+                    port=args.port, log_level=args.log_level, limits=limits, admission=admission, batch=batch,
                     prefix_cache_mb=args.prefix_cache_mb, api_keys=keys, replicas=args.replicas,
                     ray_address=args.ray_address, cpus_per_replica=args.cpus_per_replica, ray_cpus=args.ray_cpus,
                     max_ongoing_per_replica=args.max_ongoing_per_replica)

@@ -18,6 +18,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from fake_backend import FakeBackend, TinyTokenizer
+from paused_engine import paused_after, timer_after
 from logprobe.api.app import create_app
 from logprobe.backend import (Backend, BackendUnavailable, Delta, RequestAborted, GenerationOutput, GenerationRequest,
                               Intervention, SamplingParams, StreamEnd)
@@ -517,19 +518,26 @@ def test_a_run_whose_client_left_is_cancelled(slow, caplog):
     assert 3 <= line["completion_tokens"] < 200, line
 
 
-def test_a_timed_out_run_is_charged_what_it_generated(tiny_engine, caplog):
+def test_a_timed_out_run_is_charged_what_it_generated(tiny_engine, caplog, monkeypatch):
     """A plain request stopped by the request time-out (504) is logged and counted in the metrics with
-    the tokens the engine generated for it until then (`release` charges the key's budget the same)."""
+    the tokens the engine generated for it until then (`release` charges the key's budget the same).
+    The engine is paused after 3 steps (the prompt and its first token, then two more tokens for each of
+    the 16 choices) until the answer has come, and the time-out's clock starts only then: 48 tokens, on
+    any machine."""
+    from logprobe.api import holding
+
     app = create_app(tiny_engine, Limits(), AdmissionSettings(request_timeout=0.2))
     with TestClient(app) as c, caplog.at_level(logging.INFO, logger="logprobe.access"):
-        r = c.post("/v1/completions", json={"model": "tiny", "prompt": [5, 6], "max_tokens": 250, "n": 16,
-                                            "temperature": 1.0, "seed": 1})
+        with paused_after(tiny_engine, steps=3) as paused:
+            monkeypatch.setattr(holding, "asyncio", timer_after(paused))
+            r = c.post("/v1/completions", json={"model": "tiny", "prompt": [5, 6], "max_tokens": 250, "n": 16,
+                                                "temperature": 1.0, "seed": 1})
         assert r.status_code == 504, r.text
         metrics = c.get("/metrics").text
     (line,) = [json.loads(r.getMessage()) for r in caplog.records
                if r.name == "logprobe.access" and json.loads(r.getMessage())["path"] == "/v1/completions"]
     assert line["status"] == 504 and line["prompt_tokens"] == 2
-    assert 16 <= line["completion_tokens"] < 16 * 250, line
+    assert line["completion_tokens"] == 3 * 16, line
     counted = [float(x.split()[-1]) for x in metrics.splitlines() if x.startswith("logprobe_completion_tokens_total")]
     assert counted == [line["completion_tokens"]]
 

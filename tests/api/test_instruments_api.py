@@ -74,7 +74,7 @@ def test_instrument_fields_refused(fake_client, field, value, words):
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 @pytest.mark.parametrize("field, value", [("logprob_token_ids", [A]), ("position_stats", True),
-                                          ("top_logprobs_p", 0.9), ("logprobs_mode", "both")])
+                                          ("top_logprobs_p", 0.9)])
 def test_streaming_refuses_what_needs_a_whole_answer(fake_client, fake_backend, path, field, value):
     fake_backend.reset_records()
     body = {"prompt": "x"} if path == "/v1/completions" else {"messages": MESSAGES}

@@ -19,6 +19,7 @@ ACCEPTED = {path: (set(model.model_fields), required) for path, model, required 
     ("/v1/compare", BODIES["/v1/compare"], {"models", "input"}),
     ("/tokenize", BODIES["/tokenize"], {"prompt"}),
     ("/detokenize", BODIES["/detokenize"], {"tokens"}),
+    ("/v1/tree", BODIES["/v1/tree"], {"model"}),
 ]}
 
 

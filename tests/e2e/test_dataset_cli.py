@@ -23,6 +23,7 @@ pytestmark = pytest.mark.e2e
 TOL = 2e-4
 BOS = 1  # SmolLM2's declared BOS
 COLUMNS = ["--column", "text", "--context-column", "context", "--id-column", "id"]
+NUM_ROWS = 300  # the whole mix: ~20 s of scoring in process on the bundled model
 
 
 def command(*args) -> list[str]:
@@ -36,7 +37,7 @@ def run_cli(*args) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def rows():
-    return mixed_rows(60, long_words=200)  # the 300-row mix runs on the tiny model (tests/model)
+    return mixed_rows(NUM_ROWS, long_words=200)
 
 
 @pytest.fixture(scope="module")
@@ -98,9 +99,9 @@ def test_server_equals_in_process(in_process, files, server, tmp_path):
 def test_plain_progress_lines_off_a_terminal(in_process):
     _, stderr = in_process
     lines = [line for line in stderr.splitlines() if line.startswith("logprobe score:")]
-    assert lines[0] == "logprobe score: scoring 60 rows"
-    assert "rows/s" in lines[-2] and "tokens/s" in lines[-2] and "60/60 rows (100%)" in lines[-2]
-    assert lines[-1].endswith("60 rows written to " + lines[-1].rsplit(" ", 1)[-1])
+    assert lines[0] == f"logprobe score: scoring {NUM_ROWS} rows"
+    assert "rows/s" in lines[-2] and "tokens/s" in lines[-2] and f"{NUM_ROWS}/{NUM_ROWS} rows (100%)" in lines[-2]
+    assert lines[-1].endswith(f"{NUM_ROWS} rows written to " + lines[-1].rsplit(" ", 1)[-1])
     assert "\r" not in stderr and "row/s" not in stderr  # no tqdm bar
 
 

@@ -1,6 +1,6 @@
 """`logprobe score --input ... --ray` (src/logprobe/datasets/ray_job.py) on a local Ray of two workers:
-a mixed file scored as the in-process scorer scores it, and a worker SIGKILLed mid-job without a row lost
-or written twice. One Ray session (on 127.0.0.1) for the module.
+a mixed file scored as the in-process scorer scores it, a worker SIGKILLed mid-job without a row lost
+or written twice, and a stopped job resumed by the same command. One Ray session (on 127.0.0.1) for the module.
 
 The numbers are compared to float32 rounding, not bit for bit: a row's numbers may move in the last bits
 with the rows that share its batch (docs/api.md, "Batching"), and the Ray job's batches are its blocks, the
@@ -143,6 +143,30 @@ def test_a_worker_killed_mid_job(local_ray, dataset, reference, tmp_path):
     ids = [r["id"] for r in records]
     assert ids == [str(1000 + i) for i in range(NUM_ROWS)]  # every row once, in input order
     _assert_same_scores(pa.Table.from_pylist(records, schema=reference.schema), reference)
+
+
+def test_the_same_command_again_resumes(local_ray, dataset, reference, tmp_path):
+    """A job stopped after its first block (the driver gone) keeps that block in <output>.parts/; the
+    same command again scores only the other rows, and the output holds every row once."""
+    out = tmp_path / "out.parquet"
+
+    class Stopped(Exception):
+        pass
+
+    def stop(done, total):
+        raise Stopped(done)
+
+    with pytest.raises(Stopped) as stopped:
+        ray_job.run(dataset, str(out), OPTIONS, READ, workers=2, batch_rows=50, progress="none", on_block=stop)
+    first = stopped.value.args[0]
+    assert 0 < first < NUM_ROWS and not out.exists() and os.path.isdir(str(out) + ".parts")
+    seen = []
+    count = ray_job.run(dataset, str(out), OPTIONS, READ, workers=2, batch_rows=50, progress="none",
+                        on_block=lambda done, total: seen.append(done))
+    assert count == NUM_ROWS and seen[-1] == NUM_ROWS
+    assert len(seen) == -(-(NUM_ROWS - first) // 50)  # only the rows the first run did not write
+    _assert_same_scores(pq.read_table(out), reference)
+    assert sorted(os.listdir(tmp_path)) == ["out.parquet"]
 
 
 def test_a_refused_row_ends_the_job_with_its_message(local_ray, tmp_path):

@@ -143,6 +143,40 @@ def test_generate_streams_and_branches(page, server, tmp_path):
     assert page.locator("#gen-tokens .tok").count() == 2 + 12
 
 
+def test_generate_shows_the_token_tree(page, server, tmp_path):
+    """The Generate view's token tree: every node of /v1/tree's answer, in its order, with its token and
+    probability; a collapsed node opens to show its children."""
+    page.click("#tab-generate")
+    page.fill("#gen-prompt", "The capital of France is")
+    page.fill("#gen-temp", "1")
+    page.fill("#gen-top-p", "1")
+    page.fill("#tree-depth", "3")
+    page.fill("#tree-branches", "2")
+    page.click("#tree-run")
+    page.wait_for_function("document.querySelector('#tree-status').textContent.includes('nodes')")
+    tree = post(server, "/v1/tree", {"model": MODEL, "prompt": "The capital of France is", "depth": 3, "branches": 2,
+                                     "temperature": 1, "top_p": 1})
+    labels = page.locator("#tree .tree-label")
+    assert labels.count() == len(tree["nodes"]) == 14
+
+    def order(index):  # the nodes depth first, as the nested list shows them
+        yield tree["nodes"][index]
+        for child in tree["nodes"][index]["children"]:
+            yield from order(child)
+
+    shown = [node for root in tree["roots"] for node in order(root)]
+    for i, node in enumerate(shown):
+        assert labels.nth(i).locator(".tree-token").text_content().replace("⏎\n", "\n") == node["token"]
+        p = 100 * math.exp(node["logprob"])
+        assert labels.nth(i).locator(".tree-p").text_content() == f"{p:.{1 if node['logprob'] > -4.6 else 3}f}%"
+    closed = page.locator("#tree details:not([open])").first.element_handle()  # a node of depth 2
+    child = closed.query_selector(".tree-children .tree-label")
+    assert not child.is_visible()
+    closed.query_selector("summary").click()
+    assert child.is_visible()
+    shot(page, "token-tree.png", tmp_path)
+
+
 def test_compare_view(page, server, tmp_path):
     page.click("#tab-compare")
     page.click("#compare-run")

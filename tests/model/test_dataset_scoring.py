@@ -107,7 +107,7 @@ def test_in_process_equals_float64_reference(in_process, rows, tiny_engine, refe
 
 
 def test_server_equals_in_process(in_process, files, tiny_server, tmp_path):
-    options = ScoreOptions(top=3, tokens=True)
+    options = ScoreOptions(top=3, tokens=True, stats=True)  # entropy from /v1/score's position_stats
     out = str(tmp_path / "remote.jsonl")
     scorer = RemoteScorer([tiny_server, tiny_server + "/"], model="tiny", concurrency=4, options=options,
                           batch_rows=7)
@@ -132,6 +132,9 @@ def test_server_equals_in_process(in_process, files, tiny_server, tmp_path):
         if got["num_tokens"]:
             np.testing.assert_allclose(got["token_logprobs"], want["token_logprobs"], atol=TOL)
             np.testing.assert_allclose(got["top_logprobs"], want["top_logprobs"], atol=TOL)
+            assert (got["entropy"][0] is None) == (want["entropy"][0] is None)
+            np.testing.assert_allclose(np.array(got["entropy"], dtype=float), np.array(want["entropy"], dtype=float),
+                                       atol=1e-4, err_msg=got["id"])
             for j, (a, b) in enumerate(zip(got["top_ids"], want["top_ids"])):
                 values = want["top_logprobs"][j]
                 if len(set(np.round(values, 5))) == len(values):  # no tie: the same ids in the same order
@@ -152,15 +155,26 @@ def test_output_formats_hold_the_same(files, tiny_engine, tmp_path):
         tables[ext] = out
     want = pq.read_table(tables["parquet"]).to_pylist()
     with open(tables["jsonl"], encoding="utf-8") as fh:
-        assert [json.loads(line) for line in fh] == want
+        got_rows = [json.loads(line) for line in fh]
+    # Each format is a run of its own: the second and third runs find the rows' blocks in the prefix
+    # cache, and their numbers may move in the last bits (docs/api.md, "Batching"); the rest is exact.
+    assert [sorted(r) for r in got_rows] == [sorted(r) for r in want]
+    for got, w in zip(got_rows, want):
+        for name in ("id", "num_tokens", "tokens", "token_ids", "ranks"):
+            assert got[name] == w[name], (w["id"], name)
+        for name in ("logprob", "mean_logprob", "perplexity"):
+            assert (got[name] is None) == (w[name] is None)
+            assert w[name] is None or math.isclose(got[name], w[name], rel_tol=1e-6, abs_tol=1e-4)
+        np.testing.assert_allclose(got["token_logprobs"], w["token_logprobs"], atol=1e-5)
     import pyarrow.csv as pacsv
 
     csv_rows = pacsv.read_csv(tables["csv"], parse_options=pacsv.ParseOptions(newlines_in_values=True),
                               convert_options=pacsv.ConvertOptions(column_types={"id": pa.string()})).to_pylist()
     for got, w in zip(csv_rows, want):
         assert got["id"] == w["id"] and got["num_tokens"] == w["num_tokens"]
-        assert json.loads(got["tokens"]) == w["tokens"] and json.loads(got["token_logprobs"]) == w["token_logprobs"]
-        assert got["logprob"] == w["logprob"]
+        assert json.loads(got["tokens"]) == w["tokens"]
+        np.testing.assert_allclose(json.loads(got["token_logprobs"]), w["token_logprobs"], atol=1e-5)
+        assert math.isclose(got["logprob"], w["logprob"], rel_tol=1e-6, abs_tol=1e-4)
 
 
 def test_a_text_past_the_context(tiny_engine, tmp_path):
@@ -321,6 +335,4 @@ def test_remote_retries_and_refusals(monkeypatch):
 
     with pytest.raises(DatasetError, match="refused: http://a/v1/score answered 401: Incorrect API key"):
         RemoteScorer(["http://a"], transport=httpx.MockTransport(refuse)).score([Row(0, "x", "hello")])
-    with pytest.raises(DatasetError, match="--stats needs in-process"):
-        RemoteScorer(["http://a"], options=ScoreOptions(stats=True))
     asyncio.run(asyncio.sleep(0))

@@ -39,6 +39,27 @@ def test_score_matches_reference_with_bos(client, reference, tiny_engine):
     assert out["usage"]["prompt_tokens"] == len(ids) + 1
 
 
+def test_position_stats_match_reference(client, reference, tiny_engine):
+    """position_stats: the entropy of the distribution predicting each input token, as the float64
+    reference gives it; null for a first token nothing predicts."""
+    bos = tiny_engine.info.bos_token_id
+    out = score(client, input=["The cat sat on the mat.", "a rug"], context=["", "On the floor:"],
+                position_stats=True)
+    for item, ctx in zip(out["data"], ["", "On the floor:"]):
+        head = [bos] + (tiny_engine.tokenizer(ctx, add_special_tokens=False).input_ids if ctx else [])
+        ids = item["token_ids"]
+        ref = reference.logprobs(head + ids)[len(head) - 1:-1]  # row j predicts ids[j]
+        want = -(ref.exp() * ref).sum(-1).numpy()
+        np.testing.assert_allclose(item["position_stats"]["entropy"], want, atol=1e-4)
+    plain = score(client, input="The cat sat")["data"][0]
+    assert "position_stats" not in plain
+    no_bos = score(client, input="The cat sat", add_bos=False, position_stats=True)["data"][0]
+    entropy = no_bos["position_stats"]["entropy"]
+    assert entropy[0] is None and len(entropy) == len(no_bos["token_ids"]) and all(e > 0 for e in entropy[1:])
+    r = client.post("/v1/score", json={"model": "tiny", "input": "a", "position_stats": "yes"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "position_stats"
+
+
 def test_score_equals_completions_echo(client):
     ids = [40, 41, 42, 43, 44]
     s = score(client, input=ids, add_bos=False)["data"][0]

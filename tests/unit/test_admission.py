@@ -1,5 +1,6 @@
 """The hold (admission.py) on its own: capacity, per-key budgets, the bounded queue, time-outs,
-cancellation and draining, with a fake clock where time matters."""
+cancellation and draining, with a fake clock where time matters; batch lines (never rate limited,
+behind interactive requests, within their share of the capacity)."""
 
 from __future__ import annotations
 
@@ -163,6 +164,148 @@ def test_drain_refuses_waiters_and_new_requests():
             await adm.acquire("k", 1)
         adm.release(h, 10)
         assert (adm.held, adm.running, adm.queue_depth) == (0, 0, 0)
+
+    run(main())
+
+
+# ---- batch lines -----------------------------------------------------------------------------------
+
+
+def test_batch_lines_are_never_refused_for_a_full_queue_or_a_long_wait():
+    async def main():
+        adm = Admission(capacity=10, max_queue=1, queue_timeout=0.02)
+        first = await adm.acquire("k", 10)
+        lines = [asyncio.ensure_future(adm.acquire("k", 3, priority="batch")) for _ in range(3)]
+        interactive = asyncio.ensure_future(adm.acquire("k", 1))  # batch lines leave max_queue to it
+        await asyncio.sleep(0)
+        assert (adm.queue_depth, adm.batch_queue_depth) == (1, 3)
+        with pytest.raises(RateLimited):  # a second interactive waiter is one too many
+            await adm.acquire("k", 1)
+        with pytest.raises(RateLimited) as e:
+            await interactive  # waited past queue_timeout
+        assert "queue_timeout" in e.value.message
+        assert not any(line.done() for line in lines)  # the batch lines wait on
+        adm.release(first, 10)
+        # 3 + 3 of the 7 a batch may hold (batch_share 3/4 of 10); the third waits for one of them
+        assert (adm.batch_held, adm.batch_queue_depth) == (6, 1)
+        first_line = await asyncio.wait_for(lines[0], 5)
+        assert not lines[2].done()
+        adm.release(first_line, 3)
+        for hold in await asyncio.wait_for(asyncio.gather(*lines[1:]), 5):
+            adm.release(hold, 3)
+        assert (adm.held, adm.batch_held, adm.running, adm.queue_depth, adm.batch_queue_depth) == (0, 0, 0, 0, 0)
+
+    run(main())
+
+
+def test_a_batch_line_waits_for_its_keys_budget_and_never_gets_a_429():
+    async def main():
+        adm = Admission(capacity=100_000, tokens_per_minute=60_000, queue_timeout=0.01)  # 1000 tokens/s
+        spent = await adm.acquire("a", 60_000)
+        with pytest.raises(RateLimited):  # a request would wait 100 ms for 100 tokens: past queue_timeout
+            await adm.acquire("a", 100)
+        line = await asyncio.wait_for(adm.acquire("a", 100, priority="batch"), 5)  # a line waits for them
+        assert line.queue_seconds > 0.05 and line.priority == "batch"
+        with pytest.raises(InvalidRequest) as e:  # more than a minute's budget: never, an error line
+            await adm.acquire("a", 60_001, priority="batch")
+        assert e.value.status == 400 and e.value.param == "max_tokens" and "tokens_per_minute" in e.value.message
+        with pytest.raises(InvalidRequest):  # more than the server ever holds
+            await adm.acquire("a", 100_001, priority="batch")
+        for hold in (spent, line):
+            adm.release(hold, hold.tokens)
+        assert (adm.held, adm.batch_held, adm.running) == (0, 0, 0)
+
+    run(main())
+
+
+def test_interactive_waiters_are_admitted_before_batch_lines():
+    async def main():
+        adm = Admission(capacity=10)
+        a, b = await adm.acquire("k", 5), await adm.acquire("k", 5)
+        line = asyncio.ensure_future(adm.acquire("k", 5, priority="batch"))  # first in line ...
+        interactive = asyncio.ensure_future(adm.acquire("k", 5))
+        await asyncio.sleep(0)
+        adm.release(a, 5)  # ... but the first 5 tokens freed go to the interactive request
+        assert (adm.queue_depth, adm.batch_queue_depth) == (0, 1)
+        await asyncio.wait_for(interactive, 5)
+        assert not line.done()
+        adm.release(b, 5)
+        await asyncio.wait_for(line, 5)
+        for hold in (interactive.result(), line.result()):
+            adm.release(hold, 5)
+        assert (adm.held, adm.running) == (0, 0)
+
+    run(main())
+
+
+def test_no_batch_line_is_admitted_while_an_interactive_request_waits_for_capacity():
+    async def main():
+        adm = Admission(capacity=10)
+        first = await adm.acquire("k", 8)
+        interactive = asyncio.ensure_future(adm.acquire("k", 5))
+        line = asyncio.ensure_future(adm.acquire("other", 2, priority="batch"))  # would fit: 8 + 2
+        await asyncio.sleep(0.01)
+        assert not interactive.done() and not line.done()
+        adm.release(first, 8)
+        await asyncio.wait_for(asyncio.gather(interactive, line), 5)
+        assert interactive.result().admitted_at <= line.result().admitted_at
+        for hold in (interactive.result(), line.result()):
+            adm.release(hold, 0)
+        assert (adm.held, adm.batch_held, adm.running) == (0, 0, 0)
+
+    run(main())
+
+
+def test_batch_lines_hold_at_most_their_share_and_leave_room_for_requests():
+    async def main():
+        adm = Admission(capacity=100)
+        lines = [asyncio.ensure_future(adm.acquire("k", 30, priority="batch")) for _ in range(3)]
+        await asyncio.sleep(0)
+        assert (adm.batch_held, adm.batch_queue_depth) == (60, 1)  # 90 > 75: the third waits
+        interactive = await asyncio.wait_for(adm.acquire("k", 25), 0.5)  # a quarter is always free
+        assert (adm.held, adm.batch_held) == (85, 60)
+        for line in lines[:2]:
+            adm.release(line.result(), 30)
+        adm.release(await asyncio.wait_for(lines[2], 5), 30)
+        adm.release(interactive, 25)
+        big = await asyncio.wait_for(adm.acquire("k", 90, priority="batch"), 5)  # over the share, alone
+        adm.release(big, 90)
+        assert (adm.held, adm.batch_held, adm.running) == (0, 0, 0)
+
+    run(main())
+
+
+def test_a_key_waiting_for_its_budget_is_served_before_its_batch_lines():
+    async def main():
+        adm = Admission(capacity=100_000, tokens_per_minute=60_000, queue_timeout=5)  # 1000 tokens/s
+        spent = await adm.acquire("a", 59_950)  # 50 left
+        interactive = asyncio.ensure_future(adm.acquire("a", 100))  # waits about 50 ms for its budget
+        await asyncio.sleep(0)
+        own_line = asyncio.ensure_future(adm.acquire("a", 10, priority="batch"))  # 10 fit, but not before it
+        other_line = await asyncio.wait_for(adm.acquire("b", 10, priority="batch"), 0.5)  # another key's
+        await asyncio.wait_for(asyncio.gather(interactive, own_line), 5)
+        assert interactive.result().admitted_at <= own_line.result().admitted_at
+        for hold in (spent, interactive.result(), own_line.result(), other_line):
+            adm.release(hold, hold.tokens)
+        assert (adm.held, adm.running) == (0, 0)
+
+    run(main())
+
+
+def test_a_cancelled_batch_line_leaves_the_queue_and_drain_refuses_the_others():
+    async def main():
+        adm = Admission(capacity=10)
+        first = await adm.acquire("k", 10)
+        gone, waiting = (asyncio.ensure_future(adm.acquire("k", 1, priority="batch")) for _ in range(2))
+        await asyncio.sleep(0)
+        gone.cancel()  # the batch was cancelled
+        await asyncio.gather(gone, return_exceptions=True)
+        assert adm.batch_queue_depth == 1
+        adm.drain()
+        with pytest.raises(Unavailable):
+            await waiting
+        adm.release(first, 10)
+        assert (adm.held, adm.running, adm.batch_queue_depth) == (0, 0, 0)
 
     run(main())
 

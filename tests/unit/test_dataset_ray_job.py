@@ -1,5 +1,5 @@
 """The driver's side of the Ray job (src/logprobe/datasets/ray_job.py), without Ray: the blocks it hands
-out, the check that every row came back once, the refusal of a row a worker could not score, and the
+out, their results written as parts and merged (every row once), the refusal of a row a worker could not score, and the
 CLI's dispatch to it. The pipeline itself runs in tests/e2e/test_dataset_ray.py."""
 
 from __future__ import annotations
@@ -36,17 +36,46 @@ def _scored(indices: list[int], errors: list[str | None] | None = None):
     return pa.table(columns)
 
 
-def test_results_back_in_input_order():
-    table = ray_job.in_input_order([_scored([2, 0]), _scored([3, 1])], num_rows=4)
+def _merged(blocks: list, num_rows: int, tmp_path, skip_invalid: bool = False):
+    """The blocks written as the driver writes them (ray_job._writer into job.Parts), then merged."""
+    from logprobe.datasets.columns import ScoreOptions
+    from logprobe.datasets.job import Parts
+
+    parts = Parts(str(tmp_path / "out.parquet.parts"), {"test": True})
+    parts.create()
+    seen = []
+    write = ray_job._writer(parts, ScoreOptions(skip_invalid=skip_invalid), _NoBar(), num_rows, 0,
+                            lambda done, total: seen.append((done, total)))
+    try:
+        for block in blocks:
+            write(block)
+        return parts.merged(num_rows), seen
+    finally:
+        parts.release()
+
+
+class _NoBar:
+    def update(self, rows, tokens):
+        pass
+
+
+def test_results_back_in_input_order(tmp_path):
+    table, seen = _merged([_scored([2, 0]), _scored([3, 1])], 4, tmp_path)
     assert table.column("id").to_pylist() == ["id0", "id1", "id2", "id3"]
-    assert ray_job.INDEX not in table.column_names
+    assert ray_job.INDEX not in table.column_names and "error" not in table.column_names
+    assert seen == [(2, 4), (4, 4)]
 
 
-@pytest.mark.parametrize("blocks", [[_scored([0, 1]), _scored([1, 2])], [_scored([0, 2])], [_scored([0, 1, 2, 3])]],
-                         ids=["a row twice", "a row missing", "a row too many"])
-def test_a_row_twice_or_missing_is_never_written(blocks):
-    with pytest.raises(RuntimeError, match="for 3 input rows"):
-        ray_job.in_input_order(blocks, num_rows=3)
+def test_a_retried_block_counts_once(tmp_path):
+    table, _ = _merged([_scored([0, 1]), _scored([1, 2]), _scored([0, 1])], 3, tmp_path, skip_invalid=True)
+    assert table.column("id").to_pylist() == ["id0", "id1", "id2"] and "error" in table.column_names
+
+
+@pytest.mark.parametrize("blocks", [[_scored([0, 2])], [_scored([0, 1, 2, 3])]],
+                         ids=["a row missing", "a row too many"])
+def test_a_row_missing_or_too_many_is_never_written(blocks, tmp_path):
+    with pytest.raises(RuntimeError, match="of 3 rows"):
+        _merged(blocks, 3, tmp_path)
 
 
 def test_a_refused_row_names_the_first_one():

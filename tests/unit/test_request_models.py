@@ -17,6 +17,7 @@ MINIMAL = {
     "/v1/compare": {"models": ["a", "b"], "input": "hi"},
     "/tokenize": {"prompt": "hi"},
     "/detokenize": {"tokens": [1, 2]},
+    "/v1/tree": {"model": "m", "prompt": "hi"},
 }
 
 

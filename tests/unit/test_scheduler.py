@@ -1,5 +1,6 @@
 """The scheduler (engine/scheduler.py) on made-up groups, with no model: arrival order, prompt-only
-batches, the prefill budgets and chunks, the groups' computed tokens, lingering, and aborted groups."""
+batches, the prefill budgets and chunks, the groups' computed tokens, lingering, aborted groups, and
+interactive groups served before batch groups."""
 
 from __future__ import annotations
 
@@ -14,8 +15,14 @@ from logprobe.tokens import TokenTable
 TABLE = TokenTable.build(TinyTokenizer(), 258)
 
 
-def group(name: str, prompt_tokens: int, max_tokens: int = 4) -> SequenceGroup:
-    return SequenceGroup(name, list(range(1, prompt_tokens + 1)), SamplingParams(max_tokens=max_tokens), TABLE)
+def group(name: str, prompt_tokens: int, max_tokens: int = 4, priority: str = "interactive") -> SequenceGroup:
+    made = SequenceGroup(name, list(range(1, prompt_tokens + 1)), SamplingParams(max_tokens=max_tokens), TABLE)
+    made.priority = priority
+    return made
+
+
+def batch(name: str, prompt_tokens: int, max_tokens: int = 4) -> SequenceGroup:
+    return group(name, prompt_tokens, max_tokens, priority="batch")
 
 
 def names(groups) -> list[str]:
@@ -255,3 +262,174 @@ def test_a_group_that_finishes_with_its_prompt_does_not_decode():
     scheduler.prefilled(g)
     scheduler.finished(g)
     assert not scheduler.has_work and g.num_computed_tokens == 3
+
+
+# ---- priorities: interactive groups before batch groups -------------------------------------------
+
+
+def test_interactive_groups_go_ahead_of_waiting_batch_groups_in_arrival_order():
+    scheduler = Scheduler()
+    for made in [batch("b1", 5), batch("b2", 5), group("i1", 5), batch("b3", 5), group("i2", 5)]:
+        scheduler.add(made)
+    assert names(scheduler.waiting) == ["i1", "i2", "b1", "b2", "b3"]
+    plan = scheduler.schedule()
+    assert chunks(plan) == [("i1", 5), ("i2", 5)]  # no batch group takes budget while they waited
+    run(scheduler, plan)
+    plan = scheduler.schedule()  # nothing interactive waits: the batch groups fill the machine
+    assert chunks(plan) == [("b1", 5), ("b2", 5), ("b3", 5)] and names(plan.decode) == ["i1", "i2"]
+
+
+def test_batch_prompt_only_groups_never_join_an_interactive_pass():
+    scheduler = Scheduler(score_batch_tokens=1000)
+    for name in ["b1", "b2", "b3"]:
+        scheduler.add(batch(name, 10, max_tokens=0))
+    scheduler.add(group("i", 10, max_tokens=0))
+    plan = scheduler.schedule()
+    assert names(plan.score) == ["i"] and plan.prefill == []
+    run(scheduler, plan)
+    assert names(scheduler.schedule().score) == ["b1", "b2", "b3"]
+
+
+def test_an_interactive_prompt_pauses_batch_prompts_but_not_batch_decoding():
+    scheduler = Scheduler(prefill_chunk_tokens=16)
+    scheduler.add(batch("b-gen", 3, max_tokens=100))
+    run(scheduler, scheduler.schedule())
+    scheduler.add(batch("b-long", 64))
+    run(scheduler, scheduler.schedule())
+    assert names(scheduler.prefilling) == ["b-long"] and scheduler.prefilling[0].num_computed_tokens == 16
+    scheduler.add(batch("b-next", 4))
+    scheduler.add(group("i", 20, max_tokens=5))
+    plan = scheduler.schedule()
+    assert chunks(plan) == [("i", 16)] and names(plan.decode) == ["b-gen"]  # b-long gets no chunk
+    assert names(scheduler.waiting) == ["b-next"]  # admitted in no step that began with "i" waiting
+    run(scheduler, plan)
+    plan = scheduler.schedule()
+    assert chunks(plan) == [("i", 4)] and names(plan.decode) == ["b-gen"]
+    run(scheduler, plan)
+    plan = scheduler.schedule()  # "i" decodes; the batch prompts go on
+    assert names(plan.decode) == ["b-gen", "i"] and chunks(plan) == [("b-long", 16)]
+    assert names(scheduler.prefilling) == ["b-long", "b-next"]
+
+
+def test_batch_prompts_being_prefilled_do_not_fill_the_budgets_of_interactive_ones():
+    scheduler = Scheduler(prefill_tokens=100, max_prefilling=2, prefill_chunk_tokens=8)
+    scheduler.add(batch("b-gen", 3, max_tokens=100))
+    run(scheduler, scheduler.schedule())
+    for name in ["b1", "b2"]:
+        scheduler.add(batch(name, 200))
+    run(scheduler, scheduler.schedule())
+    assert names(scheduler.prefilling) == ["b1"]  # 200 pending tokens stop b2 ...
+    scheduler.add(group("i1", 30))
+    scheduler.add(group("i2", 30))
+    plan = scheduler.schedule()  # ... but not the interactive prompts, counted among themselves
+    assert names(scheduler.prefilling) == ["b1", "i1", "i2"]
+    assert chunks(plan) == [("i1", 8)]  # the step's 8 tokens, none for b1
+    scheduler.add(group("i3", 30))
+    scheduler.schedule()
+    assert names(scheduler.waiting) == ["i3", "b2"]  # two interactive prompts already: max_prefilling
+
+
+def test_batch_groups_leave_slots_for_interactive_ones_and_the_next_free_slot_is_theirs():
+    scheduler = Scheduler(max_running=8)
+    assert scheduler.max_batch_running == 7
+    for i in range(10):
+        scheduler.add(batch(f"b{i}", 2, max_tokens=1 if i == 0 else 50))
+    run(scheduler, scheduler.schedule())
+    assert len(scheduler.running) == 7 and len(scheduler.waiting) == 3  # the eighth slot stays free ...
+    scheduler.add(group("i1", 2, max_tokens=50))
+    assert chunks(scheduler.schedule()) == [("i1", 2)]  # ... for an interactive group, at once
+    scheduler.running.append(scheduler.prefilling.pop())  # (as if it had been prefilled)
+    scheduler.add(group("i2", 2, max_tokens=3))
+    plan = scheduler.schedule()  # all eight slots taken: the batch rows keep decoding
+    assert chunks(plan) == [] and len(plan.decode) == 8
+    run(scheduler, plan)  # b0 ends
+    plan = scheduler.schedule()
+    assert chunks(plan) == [("i2", 2)] and names(scheduler.waiting) == ["b7", "b8", "b9"]
+
+
+def test_a_single_slot_serves_batch_groups_too():
+    scheduler = Scheduler(max_running=1)
+    scheduler.add(batch("b", 2))
+    assert chunks(scheduler.schedule()) == [("b", 2)]
+
+
+def test_batch_groups_do_not_make_the_engine_linger():
+    scheduler = Scheduler()
+    for name in "abcd":
+        scheduler.add(batch(name, 5, max_tokens=0))
+    run(scheduler, scheduler.schedule())
+    assert scheduler.last_prompt_only == 0  # a batch's pass says nothing of interactive clients
+    for name in "abcd":
+        scheduler.add(group(name, 5, max_tokens=0))
+    run(scheduler, scheduler.schedule())
+    scheduler.add(group("e", 5, max_tokens=0))
+    assert scheduler.should_linger()
+    scheduler.add(batch("f", 5, max_tokens=0))
+    assert not scheduler.should_linger()  # batch lines wait: there is work to do
+
+
+@pytest.mark.parametrize("max_tokens", [0, 6])
+def test_an_interactive_request_among_200_batch_lines_runs_in_the_next_step(max_tokens):
+    """200 batch lines queued and running (prompt-only or generating): an interactive request that
+    arrives is in the very next step's plan, its prompt in a pass of its own kind, while every batch
+    line still completes."""
+    scheduler = Scheduler(prefill_chunk_tokens=32, max_running=64)
+    lines = [batch(f"b{i}", 10 + i % 50, max_tokens=max_tokens) for i in range(200)]
+    for line in lines:
+        scheduler.add(line)
+    run(scheduler, scheduler.schedule())
+    assert sum(line in scheduler.waiting for line in lines) > 100  # most are still queued
+    interactive = group("i", 40, max_tokens=max_tokens)
+    scheduler.add(interactive)
+    plan = scheduler.schedule()
+    assert interactive in plan.score or [c.group for c in plan.prefill] == [interactive]
+    assert not any(g.is_batch for g in plan.score) and all(not c.group.is_batch for c in plan.prefill)
+    steps = 1
+    run(scheduler, plan)
+    while not interactive.is_finished:
+        plan = scheduler.schedule()
+        run(scheduler, plan)
+        steps += 1
+    if max_tokens:  # its prompt (two chunks of 32 at most) then a token per step
+        assert interactive.num_computed_tokens == 40 and steps <= 2 + max_tokens
+    while scheduler.has_work:
+        run(scheduler, scheduler.schedule())
+    assert all(line.is_finished for line in lines)
+
+
+def test_batch_prompt_only_passes_hold_at_most_batch_step_tokens():
+    """Batch scoring lines share a pass of at most `batch_step_tokens` padded tokens (an interactive
+    request arriving mid-step waits for no more); interactive ones keep the larger budget."""
+    scheduler = Scheduler(prefill_chunk_tokens=256, batch_step_tokens=128)
+    for i in range(10):
+        scheduler.add(batch(f"b{i}", 30, max_tokens=0))
+    plan = scheduler.schedule()
+    assert names(plan.score) == ["b0", "b1", "b2", "b3"]  # 4 x 30 <= 128 < 5 x 30
+    run(scheduler, plan)
+    for i in range(10):
+        scheduler.add(group(f"i{i}", 30, max_tokens=0))
+    plan = scheduler.schedule()
+    assert names(plan.score) == [f"i{i}" for i in range(10)]
+
+
+def test_a_long_batch_prompt_only_line_is_prefilled_in_chunks():
+    """A batch scoring line longer than `batch_step_tokens` goes through chunked prefill, a chunk of at
+    most `batch_step_tokens` a step, beside an interactive prompt that gets its own budget; without a
+    chunking runner it runs whole in a prompt-only pass."""
+    scheduler = Scheduler(prefill_chunk_tokens=256, batch_step_tokens=128)
+    scheduler.add(batch("long", 300, max_tokens=0))
+    plan = scheduler.schedule()
+    assert not plan.score and chunks(plan) == [("long", 128)]
+    run(scheduler, plan)
+    scheduler.add(group("chat", 40))
+    plan = scheduler.schedule()  # the interactive prompt's step gives the batch prompt no chunk
+    assert chunks(plan) == [("chat", 40)]
+    run(scheduler, plan)
+    plan = scheduler.schedule()
+    assert chunks(plan) == [("long", 128)] and names(plan.decode) == ["chat"]
+    run(scheduler, plan)
+    plan = scheduler.schedule()
+    assert chunks(plan) == [("long", 44)]
+    whole = Scheduler(prefill_chunk_tokens=None, batch_step_tokens=128)
+    whole.add(batch("long", 300, max_tokens=0))
+    assert names(whole.schedule().score) == ["long"]

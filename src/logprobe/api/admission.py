@@ -14,6 +14,15 @@ blocks those behind it (so a large request is not starved by small ones); a wait
 own key's budget does not block other keys. 429 `rate_limit_exceeded` with `Retry-After` when the queue
 is full, when the wait for the key's budget is known to pass `queue_timeout`, or when it did pass it.
 
+Batch lines (`priority="batch"`, the lines of a /v1/batches job) hold the same tokens against the same
+capacity and budget, but wait in a queue of their own behind the interactive requests' and are never
+rate limited: no `max_queue`, no `queue_timeout`, no 429; a line waits for its key's budget as long as
+that takes, and only leaves the queue when it is admitted or cancelled (or the server drains). They are
+admitted only while no interactive request waits for capacity, never with budget an interactive
+request of the same key waits for, and together hold at most `batch_share` (3/4) of the capacity (a
+single line that needs more runs alone): an interactive request of up to a quarter of the capacity is
+admitted at once however full a batch runs, and a larger one takes the capacity batch lines free first.
+
 Everything here runs on the event loop: no locks.
 """
 
@@ -25,6 +34,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from ..backend import BATCH, INTERACTIVE
 from .errors import APIError, InvalidRequest, Unavailable
 
 
@@ -103,6 +113,17 @@ def over_capacity(tokens: int, capacity: int) -> InvalidRequest:
         "Reduce max_tokens, n or the prompts.", "max_tokens")
 
 
+BATCH_WAIT_S = 10 * 365 * 86400.0  # "no time-out" where an API takes seconds (cluster/state.py's take)
+
+
+def batch_never_fits_budget(tokens: int, per_minute: int) -> InvalidRequest:
+    """A batch line that needs more than its key's budget for a minute could never run: an error line
+    (400), not a wait without end and not a 429."""
+    return InvalidRequest(
+        f"This request needs {tokens} tokens, more than your key's budget of {per_minute} tokens per "
+        "minute (tokens_per_minute); it can never run. Reduce max_tokens, n or the prompts.", "max_tokens")
+
+
 @dataclass(eq=False)
 class Hold:
     key: str
@@ -111,6 +132,7 @@ class Hold:
     admitted_at: float | None = None
     released: bool = False
     headers: dict = field(default_factory=dict)
+    priority: str = INTERACTIVE
 
     @property
     def queue_seconds(self) -> float:
@@ -125,23 +147,33 @@ class _Waiter:
 
 class Admission:
     def __init__(self, capacity: int, tokens_per_minute: int = 0, max_queue: int = 256,
-                 queue_timeout: float = 30.0, clock=time.monotonic):
+                 queue_timeout: float = 30.0, clock=time.monotonic, batch_share: float = 0.75):
         self.capacity = capacity
         self.tokens_per_minute = tokens_per_minute
         self.max_queue = max_queue
         self.queue_timeout = queue_timeout
         self.clock = clock
+        # batch holds together take at most this much of the capacity (unless one line alone needs
+        # more): the rest is kept for interactive requests, admitted at once however full a batch runs
+        self.batch_capacity = int(capacity * batch_share)
         self.held = 0  # tokens held by admitted requests
+        self.batch_held = 0  # ... of them, by batch lines
         self.running = 0  # admitted requests not yet released
         self.draining = False
         self._buckets: dict[str, TokenBucket] = {}
-        self._waiters: collections.deque[_Waiter] = collections.deque()
+        self._waiters: collections.deque[_Waiter] = collections.deque()  # interactive requests
+        self._batch_waiters: collections.deque[_Waiter] = collections.deque()  # batch lines
         self._timer: asyncio.TimerHandle | None = None
-        self.on_queue_time = None  # called with seconds waited, for every admitted request
+        self.on_queue_time = None  # called with seconds waited, for every admitted interactive request
 
     @property
     def queue_depth(self) -> int:
+        """Interactive requests waiting (batch lines are not refused for a full queue, nor counted here)."""
         return len(self._waiters)
+
+    @property
+    def batch_queue_depth(self) -> int:
+        return len(self._batch_waiters)
 
     def _bucket(self, key: str) -> TokenBucket | None:
         if not self.tokens_per_minute:
@@ -157,14 +189,18 @@ class Admission:
             return {}
         return budget_headers(bucket, self.tokens_per_minute, self.clock())
 
-    async def acquire(self, key: str, tokens: int) -> Hold:
+    async def acquire(self, key: str, tokens: int, priority: str = INTERACTIVE) -> Hold:
         """Wait until `tokens` fit and hold them. Raises Unavailable (draining), InvalidRequest (can never
         fit the server), RateLimited (queue full, budget or wait too long). Cancelling the caller while
-        it waits takes it out of the queue."""
+        it waits takes it out of the queue. A batch line (`priority="batch"`) is never rate limited: it
+        waits for its key's budget and for capacity however long that takes (InvalidRequest if it could
+        never fit its key's budget)."""
         if self.draining:
             raise Unavailable("The server is shutting down and takes no new requests.")
         if tokens > self.capacity:
             raise over_capacity(tokens, self.capacity)
+        if priority == BATCH:
+            return await self._acquire_batch(key, tokens)
         now = self.clock()
         bucket = self._bucket(key)
         if bucket is not None:
@@ -193,43 +229,84 @@ class Admission:
             self._drop(waiter)
             raise
 
+    async def _acquire_batch(self, key: str, tokens: int) -> Hold:
+        if self.tokens_per_minute and tokens > self.tokens_per_minute:
+            raise batch_never_fits_budget(tokens, self.tokens_per_minute)
+        waiter = _Waiter(Hold(key, tokens, self.clock(), priority=BATCH), asyncio.get_running_loop().create_future())
+        self._batch_waiters.append(waiter)
+        self._pump()
+        try:
+            return await asyncio.shield(waiter.future)
+        except asyncio.CancelledError:
+            self._drop(waiter)
+            raise
+
     def _drop(self, waiter: _Waiter) -> None:
         """Take a waiter out; if it was admitted in the meantime, give its hold back."""
-        if waiter in self._waiters:
-            self._waiters.remove(waiter)
+        queue = self._batch_waiters if waiter.hold.priority == BATCH else self._waiters
+        if waiter in queue:
+            queue.remove(waiter)
             self._pump()  # it may have blocked those behind it
         elif waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
             self.release(waiter.future.result(), used=0)
 
     def _pump(self) -> None:
-        """Admit waiters in order while they fit."""
+        """Admit waiters while they fit: interactive requests first, in order; then batch lines, in
+        order, unless an interactive request waits for capacity (it takes what frees first), and not a
+        key's batch lines while an interactive request of that key waits for its budget. A waiter
+        blocked by capacity blocks those of its class behind it; one blocked only by its key's budget
+        does not block other keys."""
         now = self.clock()
         next_refill = math.inf
+        budget_blocked: set[str] = set()  # keys whose budget an earlier waiter waits for
         for waiter in list(self._waiters):
-            hold = waiter.hold
-            bucket = self._bucket(hold.key)
-            if bucket is not None:
-                wait = bucket.wait_for(hold.tokens, now)
-                if wait > 0:
-                    next_refill = min(next_refill, wait)
-                    continue
-            if self.held + hold.tokens > self.capacity:
+            wait = self._budget_wait(waiter.hold, now)
+            if wait > 0:
+                next_refill = min(next_refill, wait)
+                budget_blocked.add(waiter.hold.key)
+                continue
+            if self.held + waiter.hold.tokens > self.capacity:
                 break
-            self._waiters.remove(waiter)
-            if bucket is not None:
-                bucket.level -= hold.tokens
-            self.held += hold.tokens
-            self.running += 1
-            hold.admitted_at = now
-            hold.headers = self._budget_headers(hold.key)
-            if self.on_queue_time is not None:
-                self.on_queue_time(hold.queue_seconds)
-            waiter.future.set_result(hold)
+            self._admit(waiter, self._waiters, now)
+        else:  # no interactive request waits for capacity
+            for waiter in list(self._batch_waiters):
+                hold = waiter.hold
+                if hold.key in budget_blocked:
+                    continue
+                wait = self._budget_wait(hold, now)
+                if wait > 0:  # a batch's lines take its key's budget in order
+                    next_refill = min(next_refill, wait)
+                    budget_blocked.add(hold.key)
+                    continue
+                if self.held + hold.tokens > self.capacity or (
+                        self.batch_held and self.batch_held + hold.tokens > self.batch_capacity):
+                    break
+                self._admit(waiter, self._batch_waiters, now)
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         if next_refill < math.inf:
             self._timer = asyncio.get_running_loop().call_later(next_refill + 1e-3, self._pump)
+
+    def _budget_wait(self, hold: Hold, now: float) -> float:
+        bucket = self._bucket(hold.key)
+        return 0.0 if bucket is None else bucket.wait_for(hold.tokens, now)
+
+    def _admit(self, waiter: _Waiter, queue: collections.deque, now: float) -> None:
+        hold = waiter.hold
+        queue.remove(waiter)
+        bucket = self._bucket(hold.key)
+        if bucket is not None:
+            bucket.level -= hold.tokens
+        self.held += hold.tokens
+        if hold.priority == BATCH:
+            self.batch_held += hold.tokens
+        self.running += 1
+        hold.admitted_at = now
+        hold.headers = self._budget_headers(hold.key)
+        if self.on_queue_time is not None and hold.priority != BATCH:
+            self.on_queue_time(hold.queue_seconds)
+        waiter.future.set_result(hold)
 
     def release(self, hold: Hold, used: int) -> None:
         """The request is over: give back all its held tokens to the server, and those it did not use
@@ -238,18 +315,21 @@ class Admission:
             return
         hold.released = True
         self.held -= hold.tokens
+        if hold.priority == BATCH:
+            self.batch_held -= hold.tokens
         self.running -= 1
         bucket = self._bucket(hold.key)
         if bucket is not None:
             bucket.refill(self.clock())
             bucket.level = min(bucket.size, bucket.level + max(0, hold.tokens - used))
-        if self._waiters:
+        if self._waiters or self._batch_waiters:
             self._pump()
 
     def drain(self) -> None:
-        """Stop admitting: every waiter gets 503 now, every later request too."""
+        """Stop admitting: every waiter (batch lines too) gets 503 now, every later request too."""
         self.draining = True
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.future.done():
-                waiter.future.set_exception(Unavailable("The server is shutting down and takes no new requests."))
+        for queue in (self._waiters, self._batch_waiters):
+            while queue:
+                waiter = queue.popleft()
+                if not waiter.future.done():
+                    waiter.future.set_exception(Unavailable("The server is shutting down and takes no new requests."))

@@ -18,7 +18,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import FileResponse, Response
 from starlette.staticfiles import StaticFiles
 
-from ..config import AdmissionSettings, Limits
+from ..batch.runner import install as install_batches
+from ..batch.runner import start_runner, stop_runner
+from ..config import AdmissionSettings, BatchSettings, Limits
 from .admission import Admission
 from .errors import APIError, InternalError, InvalidAPIKey, Unavailable, error_response, new_request_id
 from .metrics import Metrics
@@ -167,7 +169,7 @@ class Gate:
 
 
 KNOWN_PATHS = {"/v1/completions", "/v1/chat/completions", "/v1/score", "/v1/compare", "/v1/models", "/tokenize",
-               "/detokenize", "/tokenizer_info", "/health", "/metrics", "/"}
+               "/detokenize", "/tokenizer_info", "/health", "/metrics", "/", "/v1/files", "/v1/batches"}
 
 
 def _request_id(request: Request) -> str:
@@ -175,14 +177,19 @@ def _request_id(request: Request) -> str:
 
 
 def create_app(backend, limits: Limits | None = None, admission: AdmissionSettings | None = None,
-               api_keys=(), admission_control=None) -> FastAPI:
+               api_keys=(), admission_control=None, batch: BatchSettings | None = None) -> FastAPI:
     """Build the ASGI app around a backend (backend.py: a started `Engine`, or replicas), or around None
     while the model loads (API paths answer 503 until `attach_backend`). `admission_control` replaces the
-    one-process hold (api/admission.py) with another of its interface (cluster/state.py)."""
+    one-process hold (api/admission.py) with another of its interface (cluster/state.py). With `batch`,
+    the Batch API (batch/, docs/batch.md) and its runner."""
     @contextlib.asynccontextmanager
     async def lifespan(app):
         app.state.loop = asyncio.get_running_loop()  # for the SIGTERM drain, which runs in another thread
-        yield
+        await start_runner(app)
+        try:
+            yield
+        finally:
+            await stop_runner(app)
 
     # /docs and /redoc with their scripts and styles served from the fastapi-offline package, not a CDN
     app = FastAPIOffline(title="logprobe", version="0.1.0", lifespan=lifespan,
@@ -211,6 +218,8 @@ def create_app(backend, limits: Limits | None = None, admission: AdmissionSettin
     if backend is not None:
         attach_backend(app, backend)
     app.include_router(router)
+    if batch is not None:
+        install_batches(app, batch)
     web = Path(__file__).resolve().parent.parent / "web"
     app.mount("/static", StaticFiles(directory=web), name="static")
 

@@ -7,6 +7,7 @@ from ..backend import SamplingParams
 from ..config import Limits
 from .errors import ContextLengthExceeded, InvalidRequest
 from .interventions import check_interventions
+from .schemas.constraints import compile_constraint
 from .schemas.sampling import ResidualRequest
 
 
@@ -30,6 +31,7 @@ def check_request_caps(backend, prompts: list[list[int]], params: SamplingParams
                        residual: ResidualRequest | None, limits: Limits, prompt_param: str = "prompt",
                        max_tokens_param: str = "max_tokens", positions_param: str | None = None) -> None:
     """Every cap of docs/api.md section 8 that depends on the tokenized prompts, and the context length."""
+    compile_constraint(backend, params.constraint)  # the grammar for this model's tokens (cached)
     ctx = backend.info.context_length
     for ids in prompts:
         total = len(ids) + params.max_tokens

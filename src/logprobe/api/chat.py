@@ -18,13 +18,14 @@ import numpy as np
 from ..config import Limits
 from ..backend import GenerationOutput, GenerationRequest, SamplingParams
 from ..output.instruments import chat_tops_with_token
-from ..output.logprobs import TokenNamer, chat_logprobs_content
+from ..output.logprobs import TokenNamer, chat_logprobs_content, wire_floats
 from .caps import check_request_caps, check_text_length
 from .errors import InvalidRequest
 from .output_blocks import (Parts, instrument_blocks, lens_of, prompt_logprobs_parts, residual_layers, residual_of,
                             unmodified_of)
 from .schemas import ChatBody
 from .schemas.sampling import ResidualRequest
+from .steering import check_steering, with_bad_words
 from .streaming import sse
 
 
@@ -41,6 +42,7 @@ class ChatRequest:
     vocab_encoding: str | None
     residual: ResidualRequest | None
     max_tokens_field: str = "max_completion_tokens"  # the name the client used
+    bad_words: tuple[str, ...] = ()  # tokenized into params.bad_words_ids with the model's tokenizer
 
 
 def parse(body: dict, limits: Limits) -> ChatRequest:
@@ -52,7 +54,7 @@ def parse(body: dict, limits: Limits) -> ChatRequest:
                             **req.sampling_kwargs(limits))
     return ChatRequest(req.model, req.messages, params, max_tokens, params.logprobs, req.stream, req.include_usage,
                        req.return_tokens_as_token_ids, req.vocab_encoding, req.output_residual_stream,
-                       max_tokens_field)
+                       max_tokens_field, req.bad_words)
 
 
 def tokenize(backend, req: ChatRequest) -> list[int]:
@@ -69,6 +71,7 @@ def tokenize(backend, req: ChatRequest) -> list[int]:
         raise InvalidRequest(f"The model's chat template could not render these messages: "
                              f"{str(exc)[:200]}", "messages") from None
     ids = tok(text, add_special_tokens=False).input_ids
+    req.params = with_bad_words(backend, req.params, req.bad_words)
     ctx = backend.info.context_length
     if req.max_tokens is None:
         req.params.max_tokens = max(0, ctx - len(ids))
@@ -78,6 +81,7 @@ def tokenize(backend, req: ChatRequest) -> list[int]:
 def check_caps(backend, req: ChatRequest, ids: list[int], limits: Limits) -> None:
     check_request_caps(backend, [ids], req.params, req.residual, limits, prompt_param="messages",
                        max_tokens_param=req.max_tokens_field if req.max_tokens is not None else "messages")
+    check_steering(backend, req.params)
 
 
 def build_requests(backend, req: ChatRequest, ids: list[int], request_id: str) -> list[GenerationRequest]:
@@ -96,6 +100,14 @@ def _content(backend, req: ChatRequest, namer, ids, lps, top_ids, top_lps, finis
     return chat_logprobs_content(namer, backend.table.token_bytes, ids, lps, top_ids, top_lps)
 
 
+def _constraint_logprobs(backend, ids, values, finish_reason) -> list[float]:
+    """A masked choice's allowed log mass at each token `logprobs.content` lists (all but an ending
+    end-of-turn token)."""
+    if _ends_with_stop_token(backend, ids, finish_reason):
+        values = values[:-1]
+    return wire_floats(values).tolist()
+
+
 def _listed(backend, seq):
     """The rows of a choice's instrument columns that `logprobs.content` lists (all but an ending
     end-of-turn token)."""
@@ -108,9 +120,12 @@ def choice_logprobs(backend, req: ChatRequest, namer, seq, processed: bool) -> d
     was drawn from when `processed`; with `logprob_token_ids`, each top_logprobs list holds the token
     and then the asked ids (vLLM) instead of the k likeliest."""
     lps, top_lps = seq.logprobs, seq.top_logprobs
+    top_ids = seq.top_ids
     if processed and seq.processed_logprobs is not None:  # "both": the raw ones are in seq.logprobs
         lps, top_lps = seq.processed_logprobs, seq.processed_top_logprobs
-    content = _content(backend, req, namer, seq.token_ids, lps, seq.top_ids, top_lps, seq.finish_reason)
+        if seq.processed_top_ids is not None:  # steered: the processed distribution's own top-k
+            top_ids = seq.processed_top_ids
+    content = _content(backend, req, namer, seq.token_ids, lps, top_ids, top_lps, seq.finish_reason)
     if req.params.logprob_token_ids:
         listed = _listed(backend, seq)
         values = listed.token_id_logprobs_processed if processed else listed.token_id_logprobs
@@ -144,6 +159,9 @@ def format_response(backend, req: ChatRequest, ids: list[int], requests: list[Ge
         if params.logprobs_mode == "both":
             choice["processed_logprobs"] = (None if req.top_logprobs is None else
                                             choice_logprobs(backend, req, namer, seq, True))
+        if seq.constraint_logprobs is not None:
+            choice["constraint_logprobs"] = _constraint_logprobs(backend, seq.token_ids, seq.constraint_logprobs,
+                                                                 seq.finish_reason)
         choices.append(choice)
     body = {"id": "chatcmpl-" + secrets.token_hex(8), "object": "chat.completion", "created": int(time.time()),
            "model": backend.info.name, "choices": choices,
@@ -164,6 +182,7 @@ def stream_formatters(backend, req: ChatRequest, ids: list[int], requests: list[
     head = {"id": "chatcmpl-" + secrets.token_hex(8), "object": "chat.completion.chunk",
             "created": int(time.time()), "model": backend.info.name}
     tail = {"usage": None} if req.include_usage else {}
+    params = req.params
 
     def format_deltas(deltas) -> list[bytes]:
         chunks = []
@@ -178,8 +197,15 @@ def stream_formatters(backend, req: ChatRequest, ids: list[int], requests: list[
                 logprobs = {"content": _content(backend, req, namer, d.token_ids, d.logprobs, d.top_ids,
                                                 d.top_logprobs, d.finish_reason), "refusal": None}
             delta = {"content": d.text} if d.text or d.finish_reason is None else {}
-            chunks.append(sse({**head, "choices": [{"index": d.seq_index, "delta": delta, "logprobs": logprobs,
-                                                    "finish_reason": d.finish_reason}], **tail}))
+            choice = {"index": d.seq_index, "delta": delta, "logprobs": logprobs, "finish_reason": d.finish_reason}
+            if params.logprobs_mode == "both":
+                choice["processed_logprobs"] = None if d.processed_logprobs is None else {"content": _content(
+                    backend, req, namer, d.token_ids, d.processed_logprobs, d.processed_top_ids,
+                    d.processed_top_logprobs, d.finish_reason), "refusal": None}
+            if d.constraint_logprobs is not None:
+                choice["constraint_logprobs"] = _constraint_logprobs(backend, d.token_ids, d.constraint_logprobs,
+                                                                     d.finish_reason)
+            chunks.append(sse({**head, "choices": [choice], **tail}))
         return chunks
 
     def final_chunks(end) -> list[bytes]:

@@ -17,13 +17,14 @@ from ..config import Limits
 from ..backend import GenerationOutput, GenerationRequest, SamplingParams
 from ..tokens import TextAssembler
 from ..output.instruments import asked_ids_top, join_legacy
-from ..output.logprobs import TokenNamer, legacy_logprobs
+from ..output.logprobs import TokenNamer, legacy_logprobs, wire_floats
 from .caps import check_request_caps, check_text_length
 from .errors import InvalidRequest
 from .output_blocks import (Parts, instrument_blocks, lens_of, prompt_logprobs_parts, residual_layers, residual_of,
                             unmodified_of)
 from .schemas import CompletionBody
 from .schemas.sampling import ResidualRequest
+from .steering import check_steering, with_bad_words
 from .streaming import sse
 
 
@@ -46,6 +47,7 @@ class CompletionRequest:
     include_usage: bool = False
     vocab_encoding: str | None = None
     residual: ResidualRequest | None = None
+    bad_words: tuple[str, ...] = ()  # tokenized into params.bad_words_ids with the model's tokenizer
 
 
 def parse(body: dict, limits: Limits) -> CompletionRequest:
@@ -55,7 +57,8 @@ def parse(body: dict, limits: Limits) -> CompletionRequest:
     return CompletionRequest(
         model=req.model, prompts=req.prompt, params=params, add_special_tokens=req.add_special_tokens,
         return_tokens_as_token_ids=req.return_tokens_as_token_ids, stream=req.stream,
-        include_usage=req.include_usage, vocab_encoding=req.vocab_encoding, residual=req.output_residual_stream)
+        include_usage=req.include_usage, vocab_encoding=req.vocab_encoding, residual=req.output_residual_stream,
+        bad_words=req.bad_words)
 
 
 def tokenize(backend, req: CompletionRequest) -> list[Prompt]:
@@ -73,6 +76,7 @@ def tokenize(backend, req: CompletionRequest) -> list[Prompt]:
             if bad:
                 raise InvalidRequest(f"Invalid value for 'prompt': token id {bad[0]} is outside the "
                                      f"vocabulary (0 to {vocab - 1}).", "prompt")
+    req.params = with_bad_words(backend, req.params, req.bad_words)
     for i, p in enumerate(out):
         if not p.token_ids:
             raise InvalidRequest(f"Invalid value for 'prompt': prompt {i} has no tokens (the model adds no "
@@ -84,6 +88,7 @@ def tokenize(backend, req: CompletionRequest) -> list[Prompt]:
 
 def check_caps(backend, req: CompletionRequest, prompts: list[Prompt], limits: Limits) -> None:
     check_request_caps(backend, [p.token_ids for p in prompts], req.params, req.residual, limits)
+    check_steering(backend, req.params)
 
 
 def echo_of(backend, prompt: Prompt, added_special: bool) -> tuple[str, list[int]]:
@@ -152,6 +157,8 @@ def format_response(backend, req: CompletionRequest, prompts: list[Prompt], requ
             if params.logprobs_mode == "both":
                 choice["processed_logprobs"] = None if params.logprobs is None else choice_logprobs(
                     namer, params, prompt_ids, out.prompt_columns, seq, echo_offsets, True)
+            if seq.constraint_logprobs is not None:
+                choice["constraint_logprobs"] = wire_floats(seq.constraint_logprobs).tolist()
             choices.append(choice)
     prompt_tokens = sum(r.num_prompt_tokens for r in requests)
     return {
@@ -174,6 +181,8 @@ def choice_logprobs(namer: TokenNamer, params: SamplingParams, prompt_ids: np.nd
     lps, top_ids, top_lps = seq.logprobs, seq.top_ids, seq.top_logprobs
     if processed and seq.processed_logprobs is not None:  # "both": the raw ones are in seq.logprobs
         lps, top_lps = seq.processed_logprobs, seq.processed_top_logprobs
+        if seq.processed_top_ids is not None:  # steered: the processed distribution's own top-k
+            top_ids = seq.processed_top_ids
     if params.logprob_token_ids:
         top_ids, top_lps = asked_ids_top(seq.extras, processed)
     generated = legacy_logprobs(namer, seq.token_ids, lps, top_ids, top_lps, seq.offsets)
@@ -202,11 +211,13 @@ def stream_formatters(backend, req: CompletionRequest, prompts: list[Prompt], re
             request = requests[d.group_index]
             echo_text, echo_offsets = prompts[d.group_index].echo_text, prompts[d.group_index].echo_offsets
             text, logprobs = d.text, None
-            ids, lps, top_ids, top_lps, offsets = d.token_ids, d.logprobs, d.top_ids, d.top_logprobs, d.offsets
             with_prompt = d.is_first and params.echo
             if with_prompt:
                 text = echo_text + text
-            if params.logprobs is not None:
+
+            def entries(lps, top_ids, top_lps):
+                """The chunk's logprobs object: an echoed prompt's (raw) entries, then its tokens'."""
+                ids, offsets = d.token_ids, d.offsets
                 if with_prompt:
                     pc = d.prompt_columns
                     ids = np.concatenate([np.asarray(request.prompt_ids, dtype=np.int64), ids])
@@ -214,9 +225,17 @@ def stream_formatters(backend, req: CompletionRequest, prompts: list[Prompt], re
                     top_ids = np.concatenate([pc.top_ids[:, :k], top_ids])
                     top_lps = np.concatenate([pc.top_logprobs[:, :k], top_lps])
                     offsets = echo_offsets + offsets
-                logprobs = legacy_logprobs(namer, ids, lps, top_ids, top_lps, offsets, first_is_null=with_prompt)
+                return legacy_logprobs(namer, ids, lps, top_ids, top_lps, offsets, first_is_null=with_prompt)
+
+            if params.logprobs is not None:
+                logprobs = entries(d.logprobs, d.top_ids, d.top_logprobs)
             choice = {"index": d.group_index * params.n + d.seq_index, "text": text, "logprobs": logprobs,
                       "finish_reason": d.finish_reason}
+            if params.logprobs_mode == "both":
+                choice["processed_logprobs"] = None if d.processed_logprobs is None else entries(
+                    d.processed_logprobs, d.processed_top_ids, d.processed_top_logprobs)
+            if d.constraint_logprobs is not None:
+                choice["constraint_logprobs"] = wire_floats(d.constraint_logprobs).tolist()
             chunks.append(sse({**head, "choices": [choice], **tail}))
         return chunks
 

@@ -10,7 +10,7 @@ import asyncio
 from fastapi import Request
 from starlette.responses import StreamingResponse
 
-from ..backend import BackendUnavailable, GenerationOutput, GenerationRequest
+from ..backend import INTERACTIVE, BackendUnavailable, GenerationOutput, GenerationRequest
 from .errors import Timeout, Unavailable
 from .streaming import stream_sse
 
@@ -85,9 +85,14 @@ async def run_jobs_while_connected(request: Request, jobs: list[tuple]) -> list[
 async def admit(request: Request, requests: list[GenerationRequest]):
     """Hold the request's tokens (waiting in the queue if need be); see admission.py. A client that
     leaves while its request waits takes it out of the queue at once (ClientGone: logged 499), so it
-    blocks nobody behind it."""
+    blocks nobody behind it. A batch line's runner sets `request.state.priority = "batch"`: its hold
+    waits in the batch queue, and its requests carry the priority to the engine's scheduler."""
     admission = request.app.state.admission
-    acquiring = asyncio.ensure_future(admission.acquire(request.state.key_id, sum(r.held_tokens for r in requests)))
+    priority = getattr(request.state, "priority", INTERACTIVE)
+    for r in requests:
+        r.priority = priority
+    tokens = sum(r.held_tokens for r in requests)
+    acquiring = asyncio.ensure_future(admission.acquire(request.state.key_id, tokens, priority=priority))
     watcher = None
     try:
         await asyncio.sleep(0)  # acquire runs to its first wait: a request admitted at once is done here

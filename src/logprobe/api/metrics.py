@@ -5,6 +5,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from ..engine import grammar
+
 LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 STEP = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12)
 BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -78,6 +80,19 @@ class Metrics:
         self.capacity = Gauge("logprobe_tokens_capacity", "Tokens the server holds at most (max_tokens_in_flight)",
                               registry=r)
         self.engine: EngineMetrics | None = None
+        self.watch_grammars()
+
+    def watch_grammars(self) -> None:
+        """The grammar cache of this process (engine/grammar.py): the API looks up every request's
+        constraint before it is held, and an engine in the same process each sequence's (a Ray
+        replica's lookups are its own)."""
+        r = self.registry
+        for key, help_text in (("hits", "Constraints found already compiled (grammar cache)"),
+                               ("misses", "Constraints compiled (grammar cache misses)"),
+                               ("entries", "Compiled grammars held in the cache"),
+                               ("compile_seconds", "Seconds spent compiling grammars, summed")):
+            gauge = Gauge(f"logprobe_grammar_cache_{key}", help_text, registry=r)
+            gauge.set_function(lambda key=key: grammar.cache_stats()[key])
 
     def watch(self, admission) -> None:
         """Gauges read live from the admission at scrape time."""

@@ -160,16 +160,28 @@ def resolve_model(request: Request, name: str | None, required: bool = True):
 
 async def serve(request: Request, endpoint: Endpoint) -> Response:
     """Run a POST route's steps. Nothing is held or queued before every check has passed."""
-    limits = request.app.state.limits
-    req = endpoint.parse(await read_json(request), limits)
-    target = endpoint.resolve(req, lambda name: resolve_model(request, name))
-    prepared = await run_in_threadpool(endpoint.tokenize, target, req)  # long texts: off the event loop
-    endpoint.check_caps(target, req, prepared, limits)
-    requests = endpoint.build_requests(target, req, prepared, request.state.request_id)
+    req, target, prepared, requests = await prepare(request, endpoint, await read_json(request))
     if endpoint.stream_formatters is not None and req.stream:
         format_deltas, final_chunks = endpoint.stream_formatters(target, req, prepared, requests)
         hold = await admit(request, requests)
         return stream_held(request, target, requests, hold, req.params.logprobs or 0, format_deltas, final_chunks)
+    hold, outputs, payload, parts = await run_and_format(request, endpoint, req, target, prepared, requests)
+    return with_headers(await body_response(payload, parts, endpoint.whole_vocab(req), outputs), hold.headers)
+
+
+async def prepare(request: Request, endpoint: Endpoint, body: dict):
+    """The checks and the engine's requests of a parsed JSON body: (req, target, prepared, requests)."""
+    limits = request.app.state.limits
+    req = endpoint.parse(body, limits)
+    target = endpoint.resolve(req, lambda name: resolve_model(request, name))
+    prepared = await run_in_threadpool(endpoint.tokenize, target, req)  # long texts: off the event loop
+    endpoint.check_caps(target, req, prepared, limits)
+    requests = endpoint.build_requests(target, req, prepared, request.state.request_id)
+    return req, target, prepared, requests
+
+
+async def run_and_format(request: Request, endpoint: Endpoint, req, target, prepared, requests):
+    """Hold, run and format a checked, non-streamed request: (hold, outputs, payload, parts)."""
     hold, results = await run_held_jobs(request, endpoint.jobs(target, requests))
     outputs = [output for job_outputs in results for output in job_outputs]  # in the order of `requests`
     try:
@@ -181,7 +193,25 @@ async def serve(request: Request, endpoint: Endpoint) -> Response:
     except BaseException:
         release_arrays(outputs)
         raise
-    return with_headers(await body_response(payload, parts, endpoint.whole_vocab(req), outputs), hold.headers)
+    return hold, outputs, payload, parts
+
+
+async def answer_bytes(request, endpoint: Endpoint, body: dict) -> bytes:
+    """The JSON body a POST route answers for `body`, for a caller without an HTTP connection of its own
+    (a batch line, batch/runner.py): `request` carries `app` and a `state` with the owner's `key_id`,
+    a `request_id` and a `priority`; its `receive` says `http.disconnect` when the caller gives up.
+    The same steps as `serve`; streaming is refused (param `stream`)."""
+    req, target, prepared, requests = await prepare(request, endpoint, body)
+    if endpoint.stream_formatters is not None and req.stream:
+        raise InvalidRequest("Invalid value for 'stream': a batch line is answered whole; streaming is not "
+                             "available in a batch. Remove 'stream' or set it to false.", "stream")
+    _, outputs, payload, parts = await run_and_format(request, endpoint, req, target, prepared, requests)
+    try:
+        if parts:
+            return await run_in_threadpool(lambda: b"".join(iter_body(payload, parts)))
+        return orjson.dumps(payload)
+    finally:
+        release_arrays(outputs)
 
 
 def with_headers(response: Response, headers: dict) -> Response:

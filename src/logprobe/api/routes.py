@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
-from . import chat, comparing, scoring
+from . import chat, comparing, scoring, tree
 from . import completions as cmpl
 from .errors import InvalidRequest
 from .pipeline import Endpoint, asks_whole_vocab, json_response, read_json, resolve_model, serve
@@ -42,6 +42,7 @@ SCORE = Endpoint(scoring.parse, scoring.tokenize, scoring.check_caps, scoring.bu
                  scoring.format_response)
 COMPARE = Endpoint(comparing.parse, comparing.tokenize, comparing.check_caps, comparing.build_requests,
                    comparing.format_response, resolve=comparing.resolve, jobs=comparing.jobs, format_off_loop=True)
+TREE = Endpoint(tree.parse, tree.tokenize, tree.check_caps, tree.build_requests, tree.format_response)
 
 
 @router.post("/v1/completions")
@@ -71,6 +72,14 @@ async def compare(request: Request):
     and Jensen-Shannon divergence (nats) of their next-token distributions, each one's likeliest token
     and whether they agree, and each one's log probability of the actual token. No generation."""
     return await serve(request, COMPARE)
+
+
+@router.post("/v1/tree")
+async def token_tree(request: Request):
+    """The token tree below a prompt: each node's likeliest children to a depth, with every node's raw and
+    processed log probability, cumulative log probability, rank and the entropy it was chosen from. The
+    prompt runs once and each level of the tree in one pass."""
+    return await serve(request, TREE)
 
 
 @router.get("/v1/models")

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import Limits
-from ..backend import GenerationOutput, GenerationRequest, SamplingParams
+from ..backend import Constraint, GenerationOutput, GenerationRequest, SamplingParams
 from ..tokens import TextAssembler
 from ..output.logprobs import TokenNamer, legacy_logprobs
+from . import constrained_scoring
 from .caps import check_request_caps, check_text_length
 from .errors import InvalidRequest
 from .output_blocks import residual_layers, residual_of
@@ -32,6 +33,9 @@ class ScoreRequest:
     top_logprobs: int | None
     return_tokens_as_token_ids: bool
     residual: ResidualRequest | None
+    constraint: Constraint | None = None  # score under it (constrained_scoring.py)
+    constraint_param: str = "structured_outputs"
+    position_stats: bool = False  # each entry's entropy per position
 
 
 @dataclass
@@ -39,12 +43,14 @@ class ScoreItem:
     token_ids: list[int]  # what the model runs: [BOS] + context + input
     first: int  # index of the input's first token in token_ids
     text: str | None  # the input text (None for token ids)
+    constraint_check: object = None  # grammar.TextCheck of the input's tokens, under req.constraint
 
 
 def parse(body: dict, limits: Limits) -> ScoreRequest:
     req = ScoreBody.parse(body, limits)
     return ScoreRequest(req.model, req.input, req.contexts, req.add_bos, req.top_logprobs,
-                        req.return_tokens_as_token_ids, req.output_residual_stream)
+                        req.return_tokens_as_token_ids, req.output_residual_stream, req.constraint,
+                        req.constraint_param, bool(req.position_stats))
 
 
 def tokenize(backend, req: ScoreRequest) -> list[ScoreItem]:
@@ -69,6 +75,11 @@ def tokenize(backend, req: ScoreRequest) -> list[ScoreItem]:
         if not ids:
             raise InvalidRequest(f"Invalid value for 'input': input {i} has no tokens.", "input")
         items.append(ScoreItem(head + ids, len(head), inp if isinstance(inp, str) else None))
+    if req.constraint is not None:
+        checks = constrained_scoring.check_inputs(backend, req.constraint, req.constraint_param,
+                                                  [it.token_ids[it.first:] for it in items])
+        for item, check in zip(items, checks):
+            item.constraint_check = check
     return items
 
 
@@ -76,11 +87,15 @@ def check_caps(backend, req: ScoreRequest, items: list[ScoreItem], limits: Limit
     params = SamplingParams(max_tokens=0, echo=True, logprobs=req.top_logprobs or 0)
     check_request_caps(backend, [it.token_ids for it in items], params, req.residual, limits,
                        prompt_param="input", max_tokens_param="input", positions_param="input")
+    if req.constraint is not None:
+        constrained_scoring.check_cap(backend, [it.token_ids for it in items], req.residual is not None, limits)
 
 
 def build_requests(backend, req: ScoreRequest, items: list[ScoreItem], request_id: str) -> list[GenerationRequest]:
     params = SamplingParams(max_tokens=0, echo=True, logprobs=req.top_logprobs or 0,
-                            residual_layers=residual_layers(backend, req.residual))
+                            residual_layers=residual_layers(backend, req.residual),
+                            prompt_logprobs=-1 if req.constraint is not None else None,
+                            position_stats=req.position_stats)
     return [GenerationRequest(request_id, it.token_ids, params) for it in items]
 
 
@@ -114,6 +129,13 @@ def format_response(backend, req: ScoreRequest, items: list[ScoreItem], requests
         entry.update({"logprob": total_lp, "mean_logprob": mean,
                       "perplexity": _perplexity(mean),
                       "num_tokens": num, "is_greedy": bool(np.all(ranks == 1))})
+        if req.constraint is not None:
+            entry["constraint"] = constrained_scoring.block(item.constraint_check, pc.full, ids, item.first)
+        if req.position_stats:
+            entropy = pc.extras.entropy[sl].astype(np.float64).tolist()
+            if item.first == 0:
+                entropy[0] = None  # nothing predicts the first token
+            entry["position_stats"] = {"entropy": entropy}
         if req.residual is not None:  # the input's tokens, in the order of the lists above
             entry["residual_stream"] = residual_of(backend, req.residual, out.choices[0], sl)
         data.append(entry)

@@ -176,7 +176,8 @@ class ModelReplica:
         from ..api.errors import APIError
 
         try:
-            return await self.admission.acquire("replica", sum(r.held_tokens for r in requests)), None
+            return await self.admission.acquire("replica", sum(r.held_tokens for r in requests),
+                                                priority=requests[0].priority), None
         except APIError as exc:
             return None, Refusal(exc)
 
@@ -366,7 +367,9 @@ class Ingress:
         s = self.settings
         admission = SharedAdmission(self.state, s.limits.max_tokens_in_flight, s.admission.tokens_per_minute,
                                     s.admission.queue_timeout)
-        self.http_app = create_app(None, s.limits, s.admission, s.api_keys, admission_control=admission)
+        # the Batch API's runner runs here, in the front: its lines go to the replicas like requests
+        self.http_app = create_app(None, s.limits, s.admission, s.api_keys, admission_control=admission,
+                                   batch=s.batch)
         attach_backend(self.http_app, self.backend)
         return self.http_app
 

@@ -13,8 +13,8 @@ import collections
 import time
 from dataclasses import dataclass
 
-from ..api.admission import (Hold, TokenBucket, budget_headers, budget_wait_too_long, never_fits_budget,
-                             over_capacity, waited_too_long)
+from ..api.admission import (BATCH_WAIT_S, Hold, TokenBucket, batch_never_fits_budget, budget_headers,
+                             budget_wait_too_long, never_fits_budget, over_capacity, waited_too_long)
 from ..api.errors import Unavailable
 
 STALE_S = 5.0  # a replica that has not reported for this long is not counted as ready
@@ -121,19 +121,23 @@ class SharedAdmission:
     def queue_depth(self) -> int:
         return self._waiting.count
 
-    async def acquire(self, key: str, tokens: int) -> Hold:
+    async def acquire(self, key: str, tokens: int, priority: str = "interactive") -> Hold:
         if self.draining:
             raise Unavailable("The server is shutting down and takes no new requests.")
         if tokens > self.capacity:
             raise over_capacity(tokens, self.capacity)
-        hold = Hold(key, tokens, time.monotonic())
+        hold = Hold(key, tokens, time.monotonic(), priority=priority)
         if self.tokens_per_minute:
+            # a batch line waits for its key's budget however long it takes (never a 429)
+            timeout = BATCH_WAIT_S if priority == "batch" else self.queue_timeout
             self._waiting.count += 1
             try:
-                verdict = await self.state.take.remote(key, tokens, self.queue_timeout)
+                verdict = await self.state.take.remote(key, tokens, timeout)
             finally:
                 self._waiting.count -= 1
             headers = verdict["headers"]
+            if verdict["kind"] == "never" and priority == "batch":
+                raise batch_never_fits_budget(tokens, self.tokens_per_minute)
             if verdict["kind"] == "never":
                 raise never_fits_budget(tokens, self.tokens_per_minute, headers)
             if verdict["kind"] == "too_long":

@@ -6,11 +6,12 @@ rows, ids and errors), orders the rows by context and length so that each batch 
 and hands them to Ray Data as blocks of `batch_rows` rows. A block is the unit of work and of retry:
 an actor that dies mid-batch is restarted by Ray and the block scored again (Ray Data gives its actors
 unlimited restarts and task retries), and a block's result reaches the driver once, whichever attempt
-produced it. The driver puts the results back in input order, checks that every row came back exactly
-once, and writes the output file as the in-process job does (job.write_table: Parquet, JSON lines or
-CSV; a temporary name, fsync, rename), nothing of a failed run left behind. Without --ray-address a
-local Ray bound to 127.0.0.1 is started (cluster.local_ray_environment, as `logprobe serve --replicas`
-does). The job does not resume: the unit of a retry is a block, and of a failure the job.
+produced it. The driver writes each block's result as it arrives into `<output>.parts/` with the
+in-process job's `Parts` (a part whole or absent, a manifest of input and options), so the same
+command again skips the rows already there, and at the end merges the parts in input order, each row
+once, checking that every row is there, into the output file as the in-process job does. Without
+--ray-address a local Ray bound to 127.0.0.1 is started (cluster.local_ray_environment, as `logprobe
+serve --replicas` does).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import replace
 from . import columns, progress as progress_mod
 from .columns import ScoreOptions
 from .io import DatasetError, Row, format_of, read_rows, require_data_extra
-from .job import ReadOptions, write_table
+from .job import Parts, ReadOptions, manifest_of, write_table
 
 INDEX = "__row_index"  # the input position each block carries through the map stage
 
@@ -78,13 +79,13 @@ def input_blocks(rows: list[Row], batch_rows: int) -> list:
 def run(input_path: str, output_path: str, options: ScoreOptions = ScoreOptions(),
         read_opts: ReadOptions = ReadOptions(), *, model: str | None = None, dtype: str = "float32",
         device: str = "cpu", workers: int = 2, ray_address: str | None = None, batch_rows: int = 256,
-        progress: str = "auto", on_block=None) -> int:
+        progress: str = "auto", on_block=None, resume: bool = True) -> int:
     """Score `input_path` on `workers` actors into `output_path` (.parquet, .jsonl or .csv, as the
     in-process job writes it); returns the number of rows written.
 
-    `progress` as for job.run; `on_block(rows_done, rows_total)` is called on the driver as each
-    block's result arrives. DatasetError for bad input or options, and for a row a worker refused
-    (without skip_invalid); then no output is written."""
+    `progress` and `resume` as for job.run; `on_block(rows_done, rows_total)` is called on the driver
+    as each block's result has been written to the parts. DatasetError for bad input or options, and
+    for a row a worker refused (without skip_invalid); then no output is written and no parts kept."""
     require_data_extra()
     out_format = format_of(output_path)
     if out_format == "txt":
@@ -97,27 +98,40 @@ def run(input_path: str, output_path: str, options: ScoreOptions = ScoreOptions(
     if not rows:
         write_table(columns.to_table([], options), output_path, out_format)
         return 0
-    start_ray(ray_address, workers)
-    bar = progress_mod.make(progress, len(rows))
+    manifest = {**manifest_of(input_path, None, options, read_opts), "model": model, "dtype": dtype, "runner": "ray"}
+    parts = Parts(output_path + ".parts", manifest)
     try:
-        # fewer rows than workers x batch_rows: smaller blocks, so that every worker gets some
-        block_rows = max(1, min(batch_rows, -(-len(rows) // workers)))
-        results = score_blocks(input_blocks(rows, block_rows), options, model=model, dtype=dtype, device=device,
-                               workers=workers, on_result=_reporter(bar, len(rows), on_block))
+        done = parts.open(resume)
+        pending = [r for r in rows if r.index not in done]
+        parts.create()
+        if pending:
+            start_ray(ray_address, workers)
+            bar = progress_mod.make(progress, len(rows), len(rows) - len(pending))
+            try:
+                # fewer rows than workers x batch_rows: smaller blocks, so that every worker gets some
+                block_rows = max(1, min(batch_rows, -(-len(pending) // workers)))
+                score_blocks(input_blocks(pending, block_rows), options, model=model, dtype=dtype, device=device,
+                             workers=workers, on_result=_writer(parts, options, bar, len(rows), len(done), on_block))
+            except DatasetError:  # a refused row: the job is refused as a whole, as in process
+                parts.remove()
+                raise
+            finally:
+                bar.close()
+        table = parts.merged(len(rows))
+        write_table(table, output_path, out_format)
+        parts.remove()
+        return table.num_rows
     finally:
-        bar.close()
-    table = in_input_order(results, len(rows))
-    if not options.skip_invalid:
-        table = table.drop_columns(["error"])  # every row was scored (refuse_invalid)
-    write_table(table, output_path, out_format)
-    return len(rows)
+        parts.release()
 
 
-def _reporter(bar, total: int, on_block):
-    done = 0
+def _writer(parts: Parts, options: ScoreOptions, bar, total: int, done: int, on_block):
+    """Each scored block into the parts (the output's columns, keyed by input row), then the progress."""
 
     def on_result(block) -> None:
         nonlocal done
+        table = block.drop_columns([INDEX] if options.skip_invalid else [INDEX, "error"])
+        parts.write(block.column(INDEX).to_pylist(), table)
         done += block.num_rows
         bar.update(block.num_rows, sum(n or 0 for n in block.column("num_tokens").to_pylist()))
         if on_block is not None:
@@ -126,8 +140,8 @@ def _reporter(bar, total: int, on_block):
     return on_result
 
 
-def score_blocks(blocks: list, options: ScoreOptions, *, model, dtype, device, workers, on_result) -> list:
-    """The scored blocks, in the order they finish."""
+def score_blocks(blocks: list, options: ScoreOptions, *, model, dtype, device, workers, on_result) -> None:
+    """Score the blocks on the pool; `on_result(block)` for each scored block as it comes."""
     import ray.data
 
     context = ray.data.DataContext.get_current()
@@ -139,13 +153,10 @@ def score_blocks(blocks: list, options: ScoreOptions, *, model, dtype, device, w
                                             "options": replace(options, skip_invalid=True)},
         batch_size=None, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=workers),
         num_cpus=1, num_gpus=1 if gpu else 0)
-    results = []
     for block in dataset.iter_batches(batch_size=None, batch_format="pyarrow"):
         if not options.skip_invalid:
             refuse_invalid(block)
-        results.append(block)
         on_result(block)
-    return results
 
 
 def refuse_invalid(block) -> None:
@@ -162,25 +173,11 @@ def refuse_invalid(block) -> None:
                        "why in an 'error' column")
 
 
-def in_input_order(blocks: list, num_rows: int):
-    """The blocks as one table in input order, without the index; RuntimeError unless every row is
-    there exactly once (a retried block must not count twice, nor a lost one pass unnoticed)."""
-    import numpy as np
-    import pyarrow as pa
-
-    table = pa.concat_tables(blocks) if blocks else None
-    index = np.asarray(table.column(INDEX)) if table is not None else np.zeros(0, np.int64)
-    order = np.argsort(index, kind="stable")
-    if len(index) != num_rows or not np.array_equal(index[order], np.arange(num_rows)):
-        raise RuntimeError(f"the Ray job returned {len(index)} rows ({len(np.unique(index))} distinct) "
-                           f"for {num_rows} input rows")
-    return table.take(pa.array(order)).drop_columns([INDEX])
-
-
 def run_from_args(args, output_path: str, options: ScoreOptions, read_opts: ReadOptions, progress: str) -> int:
     """`logprobe score --input ... --ray`: the flags that mean something here, checked, then `run`."""
     if args.url:
         raise DatasetError("--ray scores on workers that load the model; --url scores on running servers: "
                            "give one of them")
     return run(args.input, output_path, options, read_opts, model=args.model, dtype=args.dtype, device=args.device,
-               workers=args.workers, ray_address=args.ray_address, batch_rows=args.chunk_rows, progress=progress)
+               workers=args.workers, ray_address=args.ray_address, batch_rows=args.chunk_rows, progress=progress,
+               resume=args.resume)

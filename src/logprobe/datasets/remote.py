@@ -37,8 +37,6 @@ class RemoteScorer:
                  transport=None):
         """`batch_rows`: rows per request (at most the server's max_prompts); `max_attempts`: tries of
         a request that meets 429/503/5xx or a dropped connection; `transport`: httpx's (tests)."""
-        if options.stats:
-            raise DatasetError("--stats needs in-process scoring: /v1/score does not return entropy")
         if not urls:
             raise DatasetError("no server URL given")
         self.urls = [u.rstrip("/") for u in urls]
@@ -100,6 +98,8 @@ class RemoteScorer:
             body["context"] = [r.context or "" for r in batch]
         if self.options.top:
             body["top_logprobs"] = self.options.top
+        if self.options.stats:
+            body["position_stats"] = True
         try:
             data = (await self._post(client, "/v1/score", body))["data"]
         except RemoteRefused as exc:
@@ -168,6 +168,8 @@ class RemoteScorer:
                 ids.append([i for i, _ in pairs])
                 values.append([v for _, v in pairs])
             record.update(top_ids=ids, top_logprobs=values)
+        if self.options.stats:
+            record["entropy"] = entry["position_stats"]["entropy"]
         return record
 
 

@@ -8,7 +8,7 @@ engine batches prompt-only requests itself and stays full.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -110,8 +110,6 @@ class InProcessScorer:
             req = self._request([p.row.text for p in todo], [p.row.context for p in todo])
             items = [p.item for p in todo]
             requests = scoring.build_requests(self.engine, req, items, "dataset")
-            if self.options.stats:
-                requests = [replace(r, params=replace(r.params, position_stats=True)) for r in requests]
             outputs = await self.engine.run(requests)
             payload, _ = scoring.format_response(self.engine, req, items, requests, outputs)
             for p, entry, out in zip(todo, payload["data"], outputs):
@@ -134,7 +132,7 @@ class InProcessScorer:
         from ..api.scoring import ScoreRequest
 
         return ScoreRequest(self.model_name, texts, contexts, self.options.add_bos,
-                            self.options.top or None, False, None)
+                            self.options.top or None, False, None, position_stats=self.options.stats)
 
     def _record(self, p: Prepared, entry: dict, columns) -> dict:
         """One row's record from its /v1/score entry and, for top-k and entropy, the engine's columns."""
@@ -155,8 +153,5 @@ class InProcessScorer:
                 for name in ("top_ids", "top_tokens", "top_logprobs"):
                     record[name][0] = None
         if opts.stats:
-            entropy = columns.extras.entropy[scored].astype(np.float64).tolist()
-            if unpredicted and entropy:
-                entropy[0] = None
-            record["entropy"] = entropy
+            record["entropy"] = entry["position_stats"]["entropy"]
         return record

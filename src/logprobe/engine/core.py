@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
 import torch
@@ -26,6 +27,8 @@ from .picks import Pick, split_picks
 from .request import SequenceGroup
 from .sampler import BatchSettings, pick as pick_on_device
 from .scheduler import Chunk, Plan, Scheduler
+from .tree_passes import grow_tree
+from .steering import grammar_rows, steering_of
 
 log = logging.getLogger("logprobe.engine")
 
@@ -57,6 +60,7 @@ class EngineCore:
         self.failing = False
         self._check_due: float | None = None  # when the next self-check may run (while failing)
         self._check_ids = check_ids
+        self._grammar_pool: ThreadPoolExecutor | None = None  # grammar masks, computed beside the forward pass
 
     # ---- the loop ----------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -143,7 +147,8 @@ class EngineCore:
     # ---- one step: run, pick, record ------------------------------------------------------------
     def step(self, plan: Plan) -> None:
         """One engine step: one decode step for every running group, the next chunk of the prompts being
-        prefilled (several short prompts share one forward pass), and a batch of prompt-only groups."""
+        prefilled (several short prompts share one forward pass), a batch of prompt-only groups, and a
+        level of each token tree (its own pass)."""
         self.num_steps += 1
         self._resolve_edits(plan)
         # Decode first: the batch is then exactly the running groups' rows (a group whose prompt
@@ -154,25 +159,54 @@ class EngineCore:
             self._prefill(plan.prefill)
         if plan.score:
             self._score(plan.score)
+        for tree in plan.trees:  # each its own pass over its prompt or its newest level (engine/tree.py)
+            self._each(tree, self._grow_tree)
 
     def _decode(self, groups: list[SequenceGroup]) -> None:
         k = max(g.params.logprobs or 0 for g in groups)
-        if any(g.has_instruments for g in groups):
-            logprob_rows, host = self.runner.decode_groups(groups), None
-        else:  # the runner may pick the tokens in its recorded pass
-            logprob_rows, host = self.runner.decode_and_pick(groups, k)
+        pending = self._start_grammar_masks(groups)  # on a worker thread while the forward pass runs
+        try:
+            if any(g.picks_alone for g in groups):
+                logprob_rows, host = self.runner.decode_groups(groups), None
+            else:  # the runner may pick the tokens in its recorded pass
+                logprob_rows, host = self.runner.decode_and_pick(groups, k)
+        finally:
+            wait(pending.values())
+        for group, future in pending.items():
+            self._each(group, self._take_grammar_masks, future)
         if host is None:
             picks = self._pick(groups, logprob_rows)
         else:
             picks = self._split(groups, [i for i, g in enumerate(groups) if g.active_rows], host, k)
         for group, rows, pick in zip(groups, logprob_rows, picks):
-            self._each(group, self._decoded, rows, pick)
+            if group.error is None:  # not one whose grammar failed above
+                self._each(group, self._decoded, rows, pick)
+
+    def _start_grammar_masks(self, groups: list[SequenceGroup]) -> dict[SequenceGroup, Future]:
+        """The next masks of the constrained groups' rows, started on the grammar thread (llguidance
+        releases the GIL: the mask costs no time beside the forward pass)."""
+        constrained = [g for g in groups if g.params.constraint is not None and g.active_rows]
+        if not constrained:
+            return {}
+        if self._grammar_pool is None:
+            self._grammar_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="logprobe-grammar")
+        return {g: self._grammar_pool.submit(grammar_rows, g) for g in constrained}
+
+    @staticmethod
+    def _take_grammar_masks(group: SequenceGroup, future: Future) -> None:
+        group.grammar_masks = future.result()
+
+    def new_grammar_state(self, constraint):
+        """A new sequence's grammar state (engine/grammar.py), made when its group starts decoding."""
+        from .grammar import new_state
+
+        return new_state(constraint, self)
 
     def _pick(self, groups: list[SequenceGroup], logprob_rows: list[torch.Tensor]) -> list[Pick | None]:
         """The tokens of every active row of the plain groups (those whose request asked for no
         instrument) with their log probabilities and top-k, computed for all of them at once on the
         device and brought to the host in one transfer. None for the other groups."""
-        plain = [i for i, g in enumerate(groups) if not g.has_instruments and g.active_rows]
+        plain = [i for i, g in enumerate(groups) if not g.picks_alone and g.active_rows]
         if not plain:
             return [None] * len(groups)
         rows = logprob_rows[plain[0]] if len(plain) == 1 else torch.cat([logprob_rows[i] for i in plain])
@@ -201,10 +235,12 @@ class EngineCore:
 
     def _record(self, group: SequenceGroup, logprob_rows: torch.Tensor, pick: Pick | None) -> None:
         """Hand the rows' pick to the output processor (picking them first for a request that asked for
-        instruments); the runner drops the rows of the sequences that finished."""
+        instruments or steers its draw); the runner drops the rows of the sequences that finished."""
         if pick is None:
             seeds = [group.sequences[i].next_seed() for i in group.active_rows]
-            pick = pick_with_instruments(logprob_rows, group.params, seeds, group.params.logprobs or 0)
+            steering, masks = steering_of(group, logprob_rows)
+            pick = pick_with_instruments(logprob_rows, group.params, seeds, group.params.logprobs or 0,
+                                         steering, masks)
         num_rows = len(group.active_rows)
         keep = self.outputs.record(group, pick)
         if keep and len(keep) < num_rows:
@@ -220,6 +256,10 @@ class EngineCore:
             self.outputs.finish_prompt_only(group)
         else:
             self.outputs.start_decoding(group)
+            if group.params.constraint is not None:  # each choice's grammar, and its first mask
+                for seq in group.sequences:
+                    seq.grammar = self.new_grammar_state(group.params.constraint)
+                group.grammar_masks = grammar_rows(group)
             self.runner.expand(group, len(group.active_rows))
             rows = logprob_rows.expand(len(group.active_rows), -1)
             self._record(group, rows, self._pick([group], [rows])[0])
@@ -231,6 +271,10 @@ class EngineCore:
         for group in groups:
             self.outputs.finish_prompt_only(group)
             self._each(group, self._after_step)
+
+    def _grow_tree(self, tree) -> None:
+        grow_tree(self.runner, tree, self.new_grammar_state)
+        self._after_step(tree)
 
     def _resolve_edits(self, plan: Plan) -> None:
         """A request's interventions made ready for its passes (a patch's vector read from a clean pass

@@ -16,6 +16,7 @@ from ..backend import Delta, GenerationOutput, GenerationRequest, ModelInfo, Str
 from .core import EngineCore, trim_heap
 from .request import SequenceGroup
 from .streaming import attach_releasers
+from .tree import group_for
 from . import lean
 from .runner import ModelRunner
 from ..tokens import TokenTable
@@ -166,8 +167,7 @@ class Engine(EngineCore):
     async def run(self, requests: list[GenerationRequest]) -> list[GenerationOutput]:
         """Run requests to the end; one that needs no forward pass is answered without queueing.
         Cancelling the awaiting task aborts them."""
-        groups = {i: SequenceGroup.from_request(r, self.table) for i, r in enumerate(requests)
-                  if r.params.needs_forward}
+        groups = {i: group_for(r, self.table) for i, r in enumerate(requests) if r.params.needs_forward}
         with self._tracked(groups.values()):
             await self.run_groups(list(groups.values()))
         return [groups[i].output() if i in groups else finished_without_forward(r) for i, r in enumerate(requests)]

@@ -4,8 +4,9 @@ token was drawn from (docs/api.md, section 2.3).
 
 Prompt positions are reduced chunk by chunk in `PromptColumnWriter.fill` (prompt_columns.py) by
 `fill_prompt_extras`; generated positions, with the tokens, by `pick_with_instruments`, which hands the
-output processor a `Pick` with these columns. Only requests that ask get either: a plain request's group is picked by
-`sampler.pick` (engine/core.py), and its prompt columns have no extras.
+output processor a `Pick` with these columns; it also picks a steered request's rows (logit_bias,
+allowed_token_ids, bad words, a grammar: steering.py). Only requests that ask get either: a plain
+request's group is picked by `sampler.pick` (engine/core.py), and its prompt columns have no extras.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from ..backend import PositionColumns, SamplingParams
 from .picks import Pick
 from .sampler import BatchSettings, sample_batch, sample_with_distribution
+from .steering import Steering, allowed_logmass, on_device
 
 FEW_IDS = 16  # ranks by one comparison pass per id up to here, by one sort per row beyond (measured on 256
 # rows of 49,152: one pass 0.024 s, one sort 0.44 s)
@@ -120,28 +122,25 @@ def fill_prompt_extras(extras: PositionColumns, logprob_rows: torch.Tensor, rows
         extras.top_p_truncated[rows] = truncated.cpu().numpy()
 
 
-def pick_with_instruments(logprob_rows: torch.Tensor, params: SamplingParams, seeds: list[int], k: int) -> Pick:
+def pick_with_instruments(logprob_rows: torch.Tensor, params: SamplingParams, seeds: list[int], k: int,
+                          steering: Steering | None = None, masks: np.ndarray | torch.Tensor | None = None
+                          ) -> Pick:
     """The tokens of one group's rows (logprob_rows [R, V] raw log probabilities), drawn as `sample_batch`
     draws them (with the distribution they were drawn from where the request asks), with their log
     probabilities, top-k and the instrument columns the request asked for; brought to the host once
-    per column, not per row."""
+    per column, not per row. A steered request (`steering`, with the rows' `masks`, steering.py) is
+    drawn from its biased and masked scores; its processed distribution has its own top-k, and a
+    masked one the allowed log mass at each row."""
     num_rows, vocab = logprob_rows.shape
-    columns: dict[str, torch.Tensor] = {}
-    if params.logprob_token_ids:
-        ids = torch.as_tensor(params.logprob_token_ids, dtype=torch.long, device=logprob_rows.device)
-        values = logprob_rows[:, ids]
-        columns["token_id_logprobs"] = values
-        columns["token_id_ranks"] = ranks_of(logprob_rows, values)
-    if params.position_stats:
-        columns["entropy"] = entropy_of(logprob_rows)
-    if params.top_logprobs_p is not None:
-        sets = top_p_sets(logprob_rows, params.top_logprobs_p, min(params.max_top_p_tokens, vocab))
-        columns.update(zip(("top_p_ids", "top_p_logprobs", "top_p_counts", "top_p_mass", "top_p_truncated"), sets))
+    columns = instrument_columns(logprob_rows, params)
     settings = BatchSettings.of([params] * num_rows, vocab, logprob_rows.device, seeds)
+    if masks is not None:  # one copy to the device for the draw and the allowed mass
+        masks = on_device(masks, logprob_rows.device)
+    scores = logprob_rows if steering is None else steering.scores(logprob_rows, masks)
     if params.records_processed:
-        tokens, processed = sample_with_distribution(logprob_rows, settings)
+        tokens, processed = sample_with_distribution(scores, settings)
     else:
-        tokens, processed = sample_batch(logprob_rows, settings), None
+        tokens, processed = sample_batch(scores, settings), None
     raw = logprob_rows.gather(1, tokens[:, None])[:, 0]
     if k:
         top_values, top_ids = torch.topk(logprob_rows, k, dim=-1)
@@ -151,13 +150,47 @@ def pick_with_instruments(logprob_rows: torch.Tensor, params: SamplingParams, se
     if params.position_stats:  # the drawn token's rank
         columns["ranks"] = count_greater(logprob_rows, raw[:, None]) + 1
     out = dict(tokens=tokens, logprobs=raw, top_ids=top_ids, top_logprobs=top_values)
+    if params.is_masked and params.logprobs is not None:
+        out["constraint_logprobs"] = allowed_logmass(logprob_rows, masks)
     if processed is not None:
-        chosen, chosen_top = processed.gather(1, tokens[:, None])[:, 0], processed.gather(1, top_ids)
+        out.update(processed_columns(processed, tokens, top_ids, params, k, steering is not None))
         if params.logprob_token_ids:
+            ids = torch.as_tensor(params.logprob_token_ids, dtype=torch.long, device=logprob_rows.device)
             columns["token_id_logprobs_processed"] = processed[:, ids]
-        if params.logprobs_mode == "processed":
-            out.update(logprobs=chosen, top_logprobs=chosen_top)
-        else:  # "both"
-            out.update(processed_logprobs=chosen, processed_top_logprobs=chosen_top)
     host = {name: value.cpu().numpy() for name, value in out.items()}
     return Pick(**host, columns={name: value.cpu().numpy() for name, value in columns.items()})
+
+
+def processed_columns(processed: torch.Tensor, tokens: torch.Tensor, top_ids: torch.Tensor, params: SamplingParams,
+                      k: int, own_top: bool) -> dict[str, torch.Tensor]:
+    """The Pick columns of the processed distribution ([R, V]): the drawn tokens' log probabilities and a
+    top-k, in place of the raw ones ("processed") or beside them ("both"). Unsteered, the top-k is
+    the raw top-k's ids (temperature, top-k and top-p keep the raw order); steered (`own_top`), the
+    processed distribution's own k likeliest, which bias and masks reorder."""
+    chosen = processed.gather(1, tokens[:, None])[:, 0]
+    if own_top and k:
+        chosen_top, ids = torch.topk(processed, k, dim=-1)
+    else:
+        chosen_top, ids = processed.gather(1, top_ids), None
+    if params.logprobs_mode == "processed":
+        return dict(logprobs=chosen, top_logprobs=chosen_top, **({} if ids is None else {"top_ids": ids}))
+    out = dict(processed_logprobs=chosen, processed_top_logprobs=chosen_top)  # "both"
+    if own_top:
+        out["processed_top_ids"] = top_ids if ids is None else ids
+    return out
+
+
+def instrument_columns(logprob_rows: torch.Tensor, params: SamplingParams) -> dict[str, torch.Tensor]:
+    """The asked ids' log probabilities and ranks, the entropy and the top-p sets of raw rows ([R, V])."""
+    columns: dict[str, torch.Tensor] = {}
+    if params.logprob_token_ids:
+        ids = torch.as_tensor(params.logprob_token_ids, dtype=torch.long, device=logprob_rows.device)
+        values = logprob_rows[:, ids]
+        columns["token_id_logprobs"] = values
+        columns["token_id_ranks"] = ranks_of(logprob_rows, values)
+    if params.position_stats:
+        columns["entropy"] = entropy_of(logprob_rows)
+    if params.top_logprobs_p is not None:
+        sets = top_p_sets(logprob_rows, params.top_logprobs_p, min(params.max_top_p_tokens, logprob_rows.shape[1]))
+        columns.update(zip(("top_p_ids", "top_p_logprobs", "top_p_counts", "top_p_mass", "top_p_truncated"), sets))
+    return columns

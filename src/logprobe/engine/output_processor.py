@@ -32,6 +32,8 @@ class OutputProcessor:
             self.check_stop(seq, group)
             if not seq.is_finished:
                 keep.append(row)
+                if seq.grammar is not None:  # its next mask follows the token (a finished one needs none)
+                    seq.grammar.advance(seq.token_ids[-1])
         group.active_rows = [group.active_rows[r] for r in keep]
         return keep
 
@@ -42,7 +44,7 @@ class OutputProcessor:
         if pick.top_ids.shape[1]:
             seq.top_ids.append(pick.top_ids[row])
             seq.top_logprobs.append(pick.top_logprobs[row])
-        if pick.columns or pick.processed_logprobs is not None:
+        if pick.columns or pick.processed_logprobs is not None or pick.constraint_logprobs is not None:
             log = seq.rows = seq.rows or RowLog()
             for name, values in pick.columns.items():
                 log.add(name, values[row])
@@ -50,6 +52,10 @@ class OutputProcessor:
                 log.processed_logprobs.append(float(pick.processed_logprobs[row]))
                 if pick.top_ids.shape[1]:
                     log.processed_top_logprobs.append(pick.processed_top_logprobs[row])
+                    if pick.processed_top_ids is not None:
+                        log.processed_top_ids.append(pick.processed_top_ids[row])
+            if pick.constraint_logprobs is not None:
+                log.constraint_logprobs.append(float(pick.constraint_logprobs[row]))
 
     @staticmethod
     def finish_prompt_only(group: SequenceGroup) -> None:

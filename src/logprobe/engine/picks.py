@@ -2,9 +2,10 @@
 
 The device side makes a `Pick` per group in one of two ways: for plain requests, `split_picks` cuts the
 one array a decode step brings to the host (`sampler.pick`'s, or the runner's when it picked in its
-recorded pass); for a request that asked for instruments, `instruments.pick_with_instruments` builds it
-with their columns. The output processor (output_processor.py) records it on the group's sequences the
-same way in both cases, and so does the engine's test double (tests/fake_backend.py).
+recorded pass); for a request that asked for instruments or steers its draw,
+`instruments.pick_with_instruments` builds it with their columns. The output processor
+(output_processor.py) records it on the group's sequences the same way in both cases, and so does the
+engine's test double (tests/fake_backend.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ class Pick:
     processed_logprobs: np.ndarray | None = None  # [R] logprobs_mode "both": the drawn-from distribution's
     processed_top_logprobs: np.ndarray | None = None  # [R, k] ... and its values at `top_ids`
     columns: dict[str, np.ndarray] = field(default_factory=dict)  # instrument columns, [R, ...] each
+    processed_top_ids: np.ndarray | None = None  # [R, k] "both", steered: the processed distribution's own top-k
+    constraint_logprobs: np.ndarray | None = None  # [R] a masked request: log of the raw mass allowed
 
     @property
     def num_rows(self) -> int:

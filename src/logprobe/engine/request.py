@@ -36,6 +36,7 @@ class SequenceState:
         self.lens: dict | None = None  # layer -> PromptColumns of prompt + kept tokens (logit lens)
         self.unmodified: PromptColumns | None = None  # prompt + kept tokens without the interventions
         self.rows: RowLog | None = None  # instrument rows, for a request that asked for instruments
+        self.grammar = None  # a constrained request's grammar state (engine/grammar.py), set when it starts
 
     @property
     def is_finished(self) -> bool:
@@ -54,7 +55,7 @@ class SequenceState:
         text = self.text.text if self.text_end is None else self.text.text[: self.text_end]
         out = ChoiceOutput(self.index, ids, lps, top_ids, top_lps, list(self.text.offsets[: len(ids)]), text,
                            self.finish_reason.value, len(self.token_ids), self.residual, self.lens)
-        if params.needs_position_columns or params.records_processed:
+        if params.needs_position_columns or params.records_processed or params.is_masked:
             self.add_instruments(out, k, params)
         out.unmodified = self.unmodified
         return out
@@ -67,6 +68,10 @@ class SequenceState:
             out.processed_logprobs = np.asarray(log.processed_logprobs[:kept], dtype=np.float32)
             out.processed_top_logprobs = (np.stack(log.processed_top_logprobs[:kept])[:, :k] if kept and k
                                           else np.zeros((kept, k), dtype=np.float32))
+            if log.processed_top_ids and kept and k:  # steered: its own top-k (else that of top_ids)
+                out.processed_top_ids = np.stack(log.processed_top_ids[:kept])[:, :k]
+        if params.is_masked and params.logprobs is not None:
+            out.constraint_logprobs = np.asarray(log.constraint_logprobs[:kept], dtype=np.float32)
 
     def columns(self, k: int, start: int = 0, stop: int | None = None):
         """(ids, logprobs, top ids [., k], top logprobs [., k]) of kept tokens start..stop. Streaming
@@ -103,10 +108,17 @@ class SequenceGroup:
         self.error: BaseException | None = None
         self.on_finish = None  # callable, set by the engine's async front
         self.on_step = None  # callable(group), run on the engine thread after each step (streaming)
+        self.steering = None  # engine/steering.py's Steering of a steered request, built at its first pick
+        self.grammar_masks = None  # [(allowed [V] bool, accepting)] per active row, for its next pick
+        self.priority = "interactive"  # or "batch": waits for what interactive groups leave (scheduler.py)
 
     @property
     def is_finished(self) -> bool:
         return all(s.is_finished for s in self.sequences)
+
+    @property
+    def is_batch(self) -> bool:
+        return self.priority == "batch"
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -117,9 +129,17 @@ class SequenceGroup:
         """Whether its generated tokens carry instrument columns (instruments.pick_with_instruments)."""
         return self.params.needs_position_columns or self.params.records_processed
 
+    @property
+    def picks_alone(self) -> bool:
+        """Whether its rows are picked by instruments.pick_with_instruments, not with the plain rows'
+        one batched pick: it asked for instruments, or something steers its draw (steering.py)."""
+        return self.has_instruments or self.params.is_steered
+
     @classmethod
     def from_request(cls, request: GenerationRequest, table: TokenTable) -> "SequenceGroup":
-        return cls(request.request_id, list(request.prompt_ids), request.params, table, request.text_start)
+        group = cls(request.request_id, list(request.prompt_ids), request.params, table, request.text_start)
+        group.priority = request.priority
+        return group
 
     def output(self) -> GenerationOutput:
         k = self.params.logprobs or 0
@@ -134,6 +154,8 @@ class RowLog:
         self.columns: dict[str, list] = {}
         self.processed_logprobs: list[float] = []
         self.processed_top_logprobs: list[np.ndarray] = []
+        self.processed_top_ids: list[np.ndarray] = []  # a steered request's own processed top-k
+        self.constraint_logprobs: list[float] = []  # a masked request's allowed log mass
 
     def add(self, name: str, value) -> None:
         self.columns.setdefault(name, []).append(value)

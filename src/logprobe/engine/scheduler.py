@@ -4,11 +4,26 @@ Each step the scheduler hands the engine a `Plan`: a batch of prompt-only groups
 max_tokens 0: they share one padded forward pass) when one is first in line, one decode step of every
 running group (one batched pass over all their rows), and the next chunk of each prompt being prefilled.
 A new request therefore joins the running batch within a step or two, finished ones leave at once, and
-a long prompt is prefilled a chunk per step without holding back the others' decoding.
+a long prompt is prefilled a chunk per step without holding back the others' decoding. Token trees
+(engine/tree.py) skip the queue: each grows one level, one pass of its own, in every step until done.
 
-Waiting groups are served in arrival order. The scheduler keeps how many prompt tokens of each group
-have been computed (`SequenceGroup.num_computed_tokens`), counting a chunk as done when it plans it: a
-step that fails fails its groups (engine/core.py), so the count never runs ahead of a group that lives.
+Waiting groups are served in arrival order within two classes: interactive groups (HTTP requests)
+before batch groups (lines of a /v1/batches job, `SequenceGroup.priority`), so an interactive request
+never waits behind queued batch lines. While an interactive group waits, no batch group is admitted to
+a prompt-only batch or to prefill, and a step that carries an interactive prompt gives no chunk to a
+batch prompt being prefilled; running batch rows keep decoding (they share the batched pass, and need
+no preemption). Interactive prompts are admitted to prefill against the interactive ones only (batch
+prompts set aside do not fill `max_prefilling` or `prefill_tokens` for them). Batch groups take at most
+`max_batch_running` of the `max_running` slots (an eighth is kept for interactive groups, so that one
+arriving finds a slot at once); past that, the next free slot goes to the interactive group. When
+nothing interactive waits, batch groups fill the machine up to their slots.
+Batch work is also cut small: a step gives batch groups at most `batch_step_tokens` prompt tokens
+(a prompt-only pass of lines, or prefill chunks; a longer scoring line is prefilled in chunks), so an
+interactive request arriving mid-step waits for that much work at most, not a 4,096-token pass.
+
+The scheduler keeps how many prompt tokens of each group have been computed
+(`SequenceGroup.num_computed_tokens`), counting a chunk as done when it plans it: a step that fails
+fails its groups (engine/core.py), so the count never runs ahead of a group that lives.
 """
 
 from __future__ import annotations
@@ -18,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from .request import SequenceGroup
+from .tree import TreeGroup
 
 UNLIMITED = 1 << 30
 
@@ -34,22 +50,24 @@ class Plan:
     score: list[SequenceGroup] = field(default_factory=list)  # prompt-only groups, one padded pass
     prefill: list[Chunk] = field(default_factory=list)  # prompt chunks, in order, packed in one pass
     decode: list[SequenceGroup] = field(default_factory=list)  # one token for each active row
+    trees: list[TreeGroup] = field(default_factory=list)  # token trees: a level (a pass) of each (engine/tree.py)
 
     @property
     def groups(self) -> list[SequenceGroup]:
-        return self.score + [c.group for c in self.prefill] + self.decode
+        return self.score + [c.group for c in self.prefill] + self.decode + self.trees
 
     @property
     def num_rows(self) -> int:
         """What the step observer counts: a row per prompt, a row per decoding sequence."""
-        return len(self.score) + len(self.prefill) + sum(len(g.active_rows) for g in self.decode)
+        return (len(self.score) + len(self.prefill) + sum(len(g.active_rows) for g in self.decode)
+                + len(self.trees))
 
 
 class Scheduler:
     def __init__(self, max_running: int = 64, score_batch_tokens: int = 4096, max_score_batch: int = 64,
                  score_batch_tokens_decoding: int = 512, prefill_tokens: int = 2048, max_prefilling: int = 32,
                  prefill_chunk_tokens: int | None = None, packed_prefill_tokens: int = 2048,
-                 linger_s: float = 0.02):
+                 linger_s: float = 0.02, batch_step_tokens: int = 128):
         self.max_running = max_running  # groups decoding (or prefilling) at once
         self.score_batch_tokens = score_batch_tokens  # padded tokens in one batched prompt-only pass
         self.score_batch_tokens_decoding = score_batch_tokens_decoding  # the same, while others decode
@@ -62,22 +80,45 @@ class Scheduler:
         # ... and of several prompts packed in one pass when none decode (one prompt alone goes whole).
         self.packed_prefill_tokens = packed_prefill_tokens
         self.linger_s = linger_s  # the longest a prompt-only batch waits for its usual companions
+        # Prompt tokens batch groups take in one step (a prompt-only pass, or prefill chunks where the
+        # runner chunks): an interactive request that arrives mid-step waits for at most that much work.
+        # A batch prompt-only group longer than this goes through chunked prefill instead.
+        self.batch_step_tokens = batch_step_tokens
         self.waiting: deque[SequenceGroup] = deque()
         self.prefilling: list[SequenceGroup] = []
         self.running: list[SequenceGroup] = []
         self.dropped: list[SequenceGroup] = []  # aborted groups whose resources the engine must free
-        self.last_prompt_only = 0  # groups in the last batch of prompt-only groups that ran alone
+        self.trees: list[TreeGroup] = []  # token trees growing, a level per step each, beside the other work
+        self.last_prompt_only = 0  # groups in the last interactive prompt-only batch that ran alone
 
     def add(self, group: SequenceGroup) -> None:
-        self.waiting.append(group)
+        """Queue a group: a batch group at the end, an interactive one behind the interactive groups
+        already waiting and ahead of every batch group (`waiting` stays in that order). A token tree
+        grows from the next step on."""
+        if isinstance(group, TreeGroup):
+            self.trees.append(group)
+        elif group.is_batch:
+            self.waiting.append(group)
+        else:
+            first_batch = next((i for i, g in enumerate(self.waiting) if g.is_batch), len(self.waiting))
+            self.waiting.insert(first_batch, group)
+
+    @property
+    def max_batch_running(self) -> int:
+        """The slots batch groups may hold: all but an eighth of `max_running` (at least one each way)."""
+        return max(1, self.max_running - max(1, self.max_running // 8))
+
+    @property
+    def is_interactive_waiting(self) -> bool:
+        return bool(self.waiting) and not self.waiting[0].is_batch
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.prefilling)
+        return bool(self.waiting or self.running or self.prefilling or self.trees)
 
     @property
     def num_in_flight(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.prefilling)
+        return len(self.waiting) + len(self.running) + len(self.prefilling) + len(self.trees)
 
     def schedule(self) -> Plan | None:
         """The next step's work, or None when idle: a batch of prompt-only groups (when one is first in
@@ -85,54 +126,87 @@ class Scheduler:
         `prefill_tokens`), and one decode step of every running group. Aborted groups are dropped first,
         before they cost a forward pass (`take_dropped` hands them over)."""
         self._drop_aborted()
+        interactive_waited = self.is_interactive_waiting  # then no batch group takes new budget this step
         score = self._take_prompt_only() if self._prompt_only_first() else []
-        pending = sum(g.num_prompt_tokens - g.num_computed_tokens for g in self.prefilling)
-        while (self.waiting and not self._prompt_only_first() and len(self.prefilling) < self.max_prefilling
-               and len(self.running) + len(self.prefilling) < self.max_running
-               and (not self.prefilling or pending < self.prefill_tokens)):
-            group = self.waiting.popleft()
-            pending += group.num_prompt_tokens - group.num_computed_tokens
-            self.prefilling.append(group)
-        if not (score or self.prefilling or self.running):
+        self._admit_to_prefill(interactive_waited)
+        if not (score or self.prefilling or self.running or self.trees):
             return None
-        plan = Plan(score=score, prefill=self._chunks(decoding=bool(self.running)), decode=list(self.running))
-        if score and not (plan.prefill or plan.decode):
+        # a step with an interactive prompt in it gives batch prompts no chunk: that step stays short
+        interactive_prompt = any(not g.is_batch for g in [*score, *self.prefilling])
+        prefilling = [g for g in self.prefilling if not (interactive_prompt and g.is_batch)]
+        plan = Plan(score=score, prefill=self._chunks(prefilling, decoding=bool(self.running)),
+                    decode=list(self.running), trees=list(self.trees))
+        if score and not (plan.prefill or plan.decode or score[0].is_batch):
             self.last_prompt_only = len(score)
         return plan
 
     def _prompt_only_first(self) -> bool:
-        return bool(self.waiting) and self.waiting[0].params.max_tokens == 0
+        return bool(self.waiting) and self.waiting[0].params.max_tokens == 0 and not self._chunked_batch(self.waiting[0])
+
+    def _chunked_batch(self, group: SequenceGroup) -> bool:
+        """A batch group whose prompt is longer than one step's batch work is prefilled in chunks (when the
+        runner chunks), a prompt-only one too: in one padded pass it would hold the step that long."""
+        return (group.is_batch and self.prefill_chunk_tokens is not None
+                and group.num_prompt_tokens > self.batch_step_tokens)
+
+    def _admit_to_prefill(self, interactive_waited: bool) -> None:
+        """Move waiting groups, in order, to prefilling while there is a slot (`max_running`, or
+        `max_batch_running` for a batch group), `max_prefilling` allows and the prompt tokens still to
+        prefill stay under `prefill_tokens`: counted over the interactive groups for an interactive one,
+        over all for a batch one. No batch group in a step that began with an interactive group waiting."""
+        while self.waiting and not self._prompt_only_first():
+            group = self.waiting[0]
+            slots = self.max_batch_running if group.is_batch else self.max_running
+            if len(self.running) + len(self.prefilling) >= slots or (group.is_batch and interactive_waited):
+                return
+            ahead = [g for g in self.prefilling if group.is_batch or not g.is_batch]
+            pending = sum(g.num_prompt_tokens - g.num_computed_tokens for g in ahead)
+            if len(ahead) >= self.max_prefilling or (ahead and pending >= self.prefill_tokens):
+                return
+            self.prefilling.append(self.waiting.popleft())
 
     def _take_prompt_only(self) -> list[SequenceGroup]:
-        """Consecutive waiting groups that only read their prompt, as many as fit one padded batch (a
-        smaller one while other groups decode, so that their step stays short)."""
+        """Consecutive waiting groups of one priority that only read their prompt, as many as fit one
+        padded batch (a smaller one while other groups decode, so that their step stays short). Batch
+        groups never join an interactive group's pass: it would be longer."""
         batch = [self.waiting.popleft()]
         longest = batch[0].num_prompt_tokens
         budget = self.score_batch_tokens_decoding if self.running else self.score_batch_tokens
+        if batch[0].is_batch:
+            budget = min(budget, self.batch_step_tokens)
         while self._prompt_only_first() and len(batch) < self.max_score_batch:
             nxt = self.waiting[0]
+            if nxt.is_batch != batch[0].is_batch:
+                break
             if max(longest, nxt.num_prompt_tokens) * (len(batch) + 1) > budget:
                 break
             longest = max(longest, nxt.num_prompt_tokens)
             batch.append(self.waiting.popleft())
         return batch
 
-    def _chunks(self, decoding: bool) -> list[Chunk]:
-        """The next chunk of each prompt being prefilled, in order, within this step's token budget: a
-        chunk next to decoding groups, several whole short prompts when nothing decodes, or one prompt
-        whole when it is alone."""
+    def _chunks(self, prefilling: list[SequenceGroup], decoding: bool) -> list[Chunk]:
+        """The next chunk of each of these prompts, in order, within this step's token budget: a chunk
+        next to decoding groups, several whole short prompts when nothing decodes, or one prompt whole
+        when it is alone."""
         if decoding:
             budget = self.prefill_chunk_tokens or UNLIMITED
         else:
-            budget = UNLIMITED if len(self.prefilling) == 1 else self.packed_prefill_tokens
+            budget = UNLIMITED if len(prefilling) == 1 else self.packed_prefill_tokens
+        # batch prompts share `batch_step_tokens` a step, where the runner chunks
+        batch_budget = self.batch_step_tokens if self.prefill_chunk_tokens is not None else UNLIMITED
         chunks = []
-        for group in self.prefilling:
+        for group in prefilling:
             if budget <= 0:
                 break
-            num_tokens = max(1, min(group.num_prompt_tokens - group.num_computed_tokens, budget))
+            room = min(budget, batch_budget) if group.is_batch else budget
+            if room <= 0:
+                continue
+            num_tokens = max(1, min(group.num_prompt_tokens - group.num_computed_tokens, room))
             chunks.append(Chunk(group, num_tokens))
             group.num_computed_tokens = min(group.num_prompt_tokens, group.num_computed_tokens + num_tokens)
             budget -= num_tokens
+            if group.is_batch:
+                batch_budget -= num_tokens
         return chunks
 
     def should_linger(self) -> bool:
@@ -142,13 +216,14 @@ class Scheduler:
         arrive during its pass, and the batches split for good (1, 3, 1, 3... with 4 clients: a pass per
         text or two instead of one per four). So while nothing but prompt-only groups wait, fewer than
         the last prompt-only batch held, more are worth waiting for. A lone client (a batch of one
-        after a batch of one) never waits."""
-        return (self.linger_s > 0 and not (self.running or self.prefilling) and bool(self.waiting)
+        after a batch of one) never waits, nor does anyone while batch lines wait (there is work to do,
+        and a batch's runner sends its lines together)."""
+        return (self.linger_s > 0 and not (self.running or self.prefilling or self.trees) and bool(self.waiting)
                 and len(self.waiting) < self.last_prompt_only
-                and all(g.params.max_tokens == 0 for g in self.waiting))
+                and all(g.params.max_tokens == 0 and not g.is_batch for g in self.waiting))
 
     def _drop_aborted(self) -> None:
-        for queue in (self.waiting, self.running, self.prefilling):
+        for queue in (self.waiting, self.running, self.prefilling, self.trees):
             for group in [g for g in queue if g.is_aborted]:
                 queue.remove(group)
                 self.dropped.append(group)
@@ -167,6 +242,8 @@ class Scheduler:
             self.running.append(group)
 
     def finished(self, group: SequenceGroup) -> None:
+        if group in self.trees:
+            self.trees.remove(group)
         if group in self.running:
             self.running.remove(group)
         if group in self.prefilling:

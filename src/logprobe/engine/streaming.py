@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
+
 from ..backend import Delta
-from .request import SequenceGroup, SequenceState
+from .request import RowLog, SequenceGroup, SequenceState
 
 
 class Releaser:
@@ -59,9 +61,25 @@ class Releaser:
                       top_ids, top_lps, list(seq.text.offsets[self.tokens:upto]),
                       seq.finish_reason.value if seq.is_finished else None,
                       self.group.prompt_columns if self.is_first else None)
+        self.add_distribution_columns(delta, upto)
         self.tokens, self.chars, self.is_first = upto, chars, False
         self.ended = seq.is_finished
         return delta
+
+    def add_distribution_columns(self, delta: Delta, upto: int) -> None:
+        """The delta's tokens' allowed log mass (a masked request) and processed columns ("both")."""
+        params, log, start = self.group.params, self.seq.rows or RowLog(), self.tokens
+        if params.logprobs is None:
+            return
+        if params.is_masked:
+            delta.constraint_logprobs = np.asarray(log.constraint_logprobs[start:upto], dtype=np.float32)
+        if params.logprobs_mode == "both":
+            num, k = upto - start, self.k
+            delta.processed_logprobs = np.asarray(log.processed_logprobs[start:upto], dtype=np.float32)
+            delta.processed_top_logprobs = (np.stack(log.processed_top_logprobs[start:upto])[:, :k] if num and k
+                                            else np.zeros((num, k), dtype=np.float32))
+            delta.processed_top_ids = (np.stack(log.processed_top_ids[start:upto])[:, :k]
+                                       if num and k and log.processed_top_ids else delta.top_ids)
 
 
 def releasers_of(group: SequenceGroup, k: int) -> list[Releaser]:

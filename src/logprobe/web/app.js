@@ -1,6 +1,7 @@
 // logprobe playground: plain JavaScript over the public API (no build step, nothing fetched from
 // elsewhere). Score: tokens coloured by surprisal, alternatives, charts, and (with two models served)
-// their divergence at each token. Generate: a streamed continuation with alternatives and branching.
+// their divergence at each token. Generate: a streamed continuation with alternatives and branching, and
+// the token tree below the prompt (a collapsible list).
 // Compare: several texts side by side. Lens: layers x positions. Patch: one position patched layer by layer.
 "use strict";
 
@@ -326,6 +327,40 @@ function branch(i, token, logprob) {
   generate(prompt, kept.concat([chosen]));
 }
 
+// The token tree (POST /v1/tree) as nested <details>: a node's summary is its token, its probability and its
+// path's; its children follow inside, the likeliest first. The first two levels start open.
+function treeNode(tree, index) {
+  const n = tree.nodes[index];
+  const pct = (lp) => `${(100 * Math.exp(lp)).toFixed(lp > -4.6 ? 1 : 3)}%`;
+  const label = el("span", { class: "tree-label" });
+  label.append(el("span", { class: "tok tree-token" }, visible(n.token)), el("span", { class: "tree-p" }, pct(n.logprob)),
+    el("span", { class: "tree-cum" }, `path ${pct(n.cumulative_logprob)}`));
+  label.title = `rank ${n.rank}, processed ${pct(n.processed_logprob)}, entropy ${fmt(n.entropy / LN2, 2)} bits` +
+    (n.is_stop ? ", end of text" : "");
+  if (!n.children.length) {
+    const leaf = el("div", { class: "tree-leaf" }); leaf.appendChild(label); return leaf;
+  }
+  const box = el("details", n.depth < 2 ? { open: "" } : {});
+  const summary = el("summary"); summary.appendChild(label); box.appendChild(summary);
+  const list = el("div", { class: "tree-children" });
+  n.children.forEach((c) => list.appendChild(treeNode(tree, c)));
+  box.appendChild(list);
+  return box;
+}
+
+async function runTree() {
+  const body = { model: state.model, prompt: $("gen-prompt").value, depth: Number($("tree-depth").value) || 3,
+    branches: Number($("tree-branches").value) || 3, temperature: Number($("gen-temp").value),
+    top_p: Number($("gen-top-p").value) || 1 };
+  setStatus("tree-status", "Expanding…");
+  $("tree").replaceChildren();
+  try {
+    const tree = await api("/v1/tree", body);
+    tree.roots.forEach((r) => $("tree").appendChild(treeNode(tree, r)));
+    setStatus("tree-status", `${tree.nodes.length} nodes, ${tree.usage.forward_tokens} tokens through the model.`);
+  } catch (e) { setStatus("tree-status", e.message, true); }
+}
+
 // ---- Compare view -----------------------------------------------------------------------------
 async function runCompare() {
   const texts = [...document.querySelectorAll(".compare-text")].map((t) => t.value).filter((t) => t.trim());
@@ -471,6 +506,7 @@ $("patch-run").addEventListener("click", runPatch);
 $("score-run").addEventListener("click", runScore);
 $("gen-run").addEventListener("click", () => generate($("gen-prompt").value, []));
 $("gen-stop").addEventListener("click", () => { if (state.gen.controller) state.gen.controller.abort(); });
+$("tree-run").addEventListener("click", runTree);
 $("compare-add").addEventListener("click", () => {
   const n = document.querySelectorAll(".compare-text").length + 1;
   $("compare-inputs").appendChild(el("textarea", { class: "compare-text", rows: "2", "aria-label": `Text ${n}` }));

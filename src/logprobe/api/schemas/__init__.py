@@ -7,12 +7,14 @@ from .base import RequestModel
 from .completions import ChatBody, CompletionBody
 from .scoring import CompareBody, ScoreBody
 from .tokenizer import DetokenizeBody, TokenizeBody
+from .tree import TreeBody
 
 BODIES: dict[str, type[RequestModel]] = {
     "/v1/completions": CompletionBody,
     "/v1/chat/completions": ChatBody,
     "/v1/score": ScoreBody,
     "/v1/compare": CompareBody,
+    "/v1/tree": TreeBody,
     "/tokenize": TokenizeBody,
     "/detokenize": DetokenizeBody,
 }

@@ -12,7 +12,8 @@ from ...config import Limits
 from .. import validation as v
 from ..errors import InvalidRequest
 from .base import DEFAULT_LIMITS as _L, Cap, Neutral, RequestModel, Unbounded, check, parses
-from .sampling import (N, Interventions, Lens, LogprobsMode, LogprobTokenIds, PositionStats, PromptLogprobs,
+from .constraints import ConstraintFields, ResponseFormatField, StructuredOutputsField
+from .sampling import (N, AllowedTokenIds, BadWords, Interventions, Lens, LogitBias, LogprobsMode, LogprobTokenIds, PositionStats, PromptLogprobs,
                        ResidualStream, ReturnUnmodified, SamplingFields, Seed, Stop, Stream, StreamOptionsField,
                        Temperature, TokensAsIds, TopK, TopLogprobsP, TopP, User, VocabEncoding)
 
@@ -45,7 +46,7 @@ def prompt_list(value, name: str = "prompt") -> list:
     raise v.type_error(name, PROMPT_TYPE, nullable=False)
 
 
-class CompletionBody(SamplingFields):
+class CompletionBody(SamplingFields, ConstraintFields):
     """POST /v1/completions."""
 
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
@@ -66,8 +67,7 @@ class CompletionBody(SamplingFields):
                               "entries in front of the generated ones.")
     frequency_penalty: Annotated[Literal[0] | None, Neutral(None, 0)] = Field(
         None, description="Not implemented: accepted as 0 or null.")
-    logit_bias: Annotated[dict[str, float] | None, Neutral(None, {})] = Field(
-        None, max_length=0, description="Not implemented: accepted as {} or null.")
+    logit_bias: LogitBias
     logprobs: Annotated[int | None, Cap("max_logprobs")] = Field(
         None, ge=0, le=_L.max_logprobs, description="The k likeliest tokens at each generated position, with "
         "the chosen token's log probability.")
@@ -101,6 +101,10 @@ class CompletionBody(SamplingFields):
     logprobs_mode: LogprobsMode
     interventions: Interventions
     return_unmodified: ReturnUnmodified
+    allowed_token_ids: AllowedTokenIds
+    bad_words: BadWords
+    response_format: ResponseFormatField  # an extension here: OpenAI's completions have no response_format
+    structured_outputs: StructuredOutputsField
 
     @parses("prompt")
     def parse_prompt(value, limits: Limits) -> list:
@@ -124,7 +128,7 @@ class Message(RequestModel):
     name: str | None = None
 
 
-class ChatBody(SamplingFields):
+class ChatBody(SamplingFields, ConstraintFields):
     """POST /v1/chat/completions."""
 
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
@@ -136,8 +140,7 @@ class ChatBody(SamplingFields):
     messages: list[Message] = Field(..., min_length=1, description="Rendered with the model's chat template.")
     frequency_penalty: Annotated[Literal[0] | None, Neutral(None, 0)] = Field(
         None, description="Not implemented: accepted as 0 or null.")
-    logit_bias: Annotated[dict[str, float] | None, Neutral(None, {})] = Field(
-        None, max_length=0, description="Not implemented: {} or null.")
+    logit_bias: LogitBias
     logprobs: bool | None = Field(False, description="Log probabilities of the reply's tokens.")
     top_logprobs: TopLogprobs = Field(description="The k likeliest at each position (needs logprobs: true).")
     max_tokens: Annotated[int | None, Unbounded()] = Field(
@@ -147,8 +150,7 @@ class ChatBody(SamplingFields):
     n: N
     presence_penalty: Annotated[Literal[0] | None, Neutral(None, 0)] = Field(
         None, description="Not implemented: accepted as 0 or null.")
-    response_format: Annotated[dict | None, Neutral(None, {"type": "text"})] = Field(
-        None, description="Not implemented: {\"type\": \"text\"} or null.")
+    response_format: ResponseFormatField
     seed: Seed
     service_tier: Annotated[Literal["auto"] | None, Neutral(None, "auto")] = Field(
         None, description="Not implemented: \"auto\" or null.")
@@ -181,6 +183,9 @@ class ChatBody(SamplingFields):
     logprobs_mode: LogprobsMode
     interventions: Interventions
     return_unmodified: ReturnUnmodified
+    allowed_token_ids: AllowedTokenIds
+    bad_words: BadWords
+    structured_outputs: StructuredOutputsField
 
     @parses("messages")
     def parse_messages(value, limits: Limits) -> list[dict]:

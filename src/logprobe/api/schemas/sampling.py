@@ -121,7 +121,8 @@ TopLogprobsP = Annotated[float | None, Field(None, gt=0, le=1, description=(
     "--max-top-p-tokens, else `truncated`), in `position_stats`. Not with stream."))]
 LogprobsMode = Annotated[Literal["raw", "processed", "both"] | None, Field("raw", description=(
     "raw: log probabilities of the model's distribution; processed: of the distribution each token was drawn "
-    "from (after temperature, top-k, top-p); both: raw, plus `processed_logprobs` (not with stream)."))]
+    "from (after logit_bias, allowed_token_ids, bad_words, a constraint, temperature, top-k, top-p); both: raw, "
+    "plus `processed_logprobs`."))]
 Interventions = Annotated[list[InterventionItem] | None, Field(None, max_length=_L.max_interventions,
                                                                 description=(
     "Changes to the residual stream of this request's forward passes, in order; the log probabilities "
@@ -129,6 +130,17 @@ Interventions = Annotated[list[InterventionItem] | None, Field(None, max_length=
 ReturnUnmodified = Annotated[bool | None, Field(False, description=(
     "With interventions: each choice's `unmodified` block, the same tokens' log probabilities without them. "
     "Not with stream."))]
+
+LogitBias = Annotated[dict[str, float] | None, Field(None, description=(
+    "OpenAI's: token id (as a string) -> a bias from -100 to 100, added to the token's log probability before "
+    "the draw (-100 bans it, 100 all but forces it). Shapes the processed distribution only, never the raw one "
+    "(logprobs_mode). Cap: --max-logit-bias ids."))]
+AllowedTokenIds = Annotated[list[int] | None, Field(None, min_length=1, description=(
+    "vLLM extension: only these token ids may be drawn. Shapes the processed distribution only; with logprobs, "
+    "each choice's `constraint_logprobs` is the raw probability mass they hold at each position."))]
+BadWords = Annotated[list[str] | None, Field(None, max_length=_L.max_bad_words, description=(
+    "vLLM extension: words never generated. Each is tokenized with and without a leading space; a token that "
+    "would complete one after its other tokens is not drawn. Cap: --max-bad-words."))]
 
 STREAMED_INSTRUMENTS = ("logprob_token_ids", "position_stats", "top_logprobs_p")
 
@@ -238,6 +250,59 @@ class SamplingFields(RequestModel):
                                  f"in one request (max_interventions), and this one has {len(value)}.", name)
         return tuple(parse_intervention(item, f"{name}[{i}]") for i, item in enumerate(value))
 
+    @parses("logit_bias")
+    def parse_logit_bias(value, limits: Limits) -> tuple[tuple[int, float], ...]:
+        """((token id, bias), ...) in the body's order; ids are checked against the vocabulary with the
+        caps (api/steering.py)."""
+        name = "logit_bias"
+        if value is None:
+            return ()
+        if not isinstance(value, dict):
+            raise v.type_error(name, "an object mapping token ids to numbers")
+        if len(value) > limits.max_logit_bias:
+            raise InvalidRequest(f"Too many token ids in 'logit_bias': this server takes at most "
+                                 f"{limits.max_logit_bias} (max_logit_bias), and this request has {len(value)}.",
+                                 name)
+        out, seen = [], set()
+        for key, bias in value.items():
+            token = key.strip()
+            if not (token.isascii() and token.lstrip("-").isdigit()):
+                raise InvalidRequest(f"Invalid key in 'logit_bias': {key[:40]!r} is not a token id (an integer "
+                                     "written as a string).", name)
+            if not isinstance(bias, (int, float)) or isinstance(bias, bool) or not -100 <= bias <= 100:
+                raise InvalidRequest(f"Invalid value for 'logit_bias' at token {key[:40]!r}: expected a number "
+                                     "from -100 to 100.", name)
+            if int(token) in seen:
+                raise InvalidRequest(f"Invalid key in 'logit_bias': token {int(token)} appears more than once.", name)
+            seen.add(int(token))
+            out.append((int(token), float(bias)))
+        return tuple(out)
+
+    @parses("allowed_token_ids")
+    def parse_allowed_token_ids(value, limits: Limits) -> tuple[int, ...] | None:
+        name = "allowed_token_ids"
+        if value is None:
+            return None
+        if not isinstance(value, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+            raise v.type_error(name, "an array of token ids")
+        if not value:
+            raise v.value_error(name, "at least one token id (an empty list would allow nothing)")
+        return tuple(value)
+
+    @parses("bad_words")
+    def parse_bad_words(value, limits: Limits) -> tuple[str, ...]:
+        name = "bad_words"
+        if value is None:
+            return ()
+        if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+            raise v.type_error(name, "an array of strings")
+        if len(value) > limits.max_bad_words:
+            raise InvalidRequest(f"Too many words in 'bad_words': this server takes at most {limits.max_bad_words} "
+                                 f"(max_bad_words), and this request has {len(value)}.", name)
+        if any(not w.strip() for w in value):
+            raise v.value_error(name, "words that are not empty or only spaces")
+        return tuple(value)
+
     # ---- rules between fields ----
 
     @check
@@ -264,9 +329,6 @@ class SamplingFields(RequestModel):
             if getattr(self, name) not in (None, False, ()):
                 raise InvalidRequest(f"'{name}' does not work with 'stream': true. Send the request without "
                                      "streaming to get it.", name)
-        if self.logprobs_mode == "both":
-            raise InvalidRequest("'logprobs_mode': 'both' does not work with 'stream': true. Send the request "
-                                 "without streaming, or use 'processed' (it streams).", "logprobs_mode")
         if self.output_residual_stream is not None:
             raise InvalidRequest("'output_residual_stream' does not work with 'stream': true. Send the request "
                                  "without streaming to get activations.", "output_residual_stream")
@@ -310,4 +372,10 @@ class SamplingFields(RequestModel):
             out["interventions"] = self.interventions
         if self.return_unmodified:
             out["return_unmodified"] = True
+        if self.logit_bias:
+            out["logit_bias"] = self.logit_bias
+        if self.allowed_token_ids is not None:
+            out["allowed_token_ids"] = self.allowed_token_ids
+        if getattr(self, "constraint", None) is not None:  # bodies with ConstraintFields (constraints.py)
+            out["constraint"] = self.constraint
         return out

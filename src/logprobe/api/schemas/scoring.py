@@ -11,10 +11,11 @@ from .. import validation as v
 from ..errors import InvalidRequest
 from .base import RequestModel, check, parses
 from .completions import Prompt, TopLogprobs, all_ints, prompt_list
+from .constraints import ConstraintFields, ResponseFormatField, StructuredOutputsField
 from .sampling import ResidualStream, SamplingFields, TokensAsIds, User
 
 
-class ScoreBody(RequestModel):
+class ScoreBody(ConstraintFields):
     """POST /v1/score."""
 
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
@@ -33,6 +34,12 @@ class ScoreBody(RequestModel):
     top_logprobs: TopLogprobs = Field(description="The k likeliest at each position.")
     output_residual_stream: ResidualStream = Field(description="Activations at these layers.")
     return_tokens_as_token_ids: TokensAsIds
+    position_stats: bool | None = Field(False, description="The entropy (nats) of the distribution that "
+                                        "predicts each input token, in each entry's `position_stats`.")
+    response_format: ResponseFormatField = Field(description="Score under this constraint (as for chat); not "
+                                                 "with structured_outputs.")
+    structured_outputs: StructuredOutputsField = Field(description="Score under this constraint (as for "
+                                                       "completions).")
 
     parse_residual = staticmethod(SamplingFields.parse_residual)
 

@@ -13,12 +13,13 @@ After the pass, each shared prefix and each prompt's own whole blocks go into th
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..interventions import segment_editor
 from ..prefix_cache import BLOCK
 from ..prompt_columns import copy_rows
-from ..request import SequenceGroup
+from ..request import PromptColumns, SequenceGroup
 from .attention import PassMeta, PrefixedKV
 
 
@@ -26,15 +27,22 @@ class PromptBatches:
     """The prompt-only passes of a `LeanRunner`."""
 
     SHARED_PREFIX_MIN = 16  # prompt-only prompts sharing at least this many first tokens share their pass
+    # A batch of unlike lengths runs as several passes of like lengths: every padded position costs as
+    # much as a real one in the blocks. A pass is cut off where padding would pass MAX_PADDING of its
+    # tokens and PASS_COST_TOKENS, about what one more pass costs (its fixed work: 30 blocks of small
+    # products, the masks), in tokens' worth.
+    MAX_PADDING = 0.15
+    PASS_COST_TOKENS = 128
 
     def __init__(self, runner):
         self.runner = runner
 
     def run(self, groups: list[SequenceGroup]) -> None:
-        """Fill each group's prompt columns (where it asks for them) from one right-padded pass. The plain
-        causal mask is enough: padding sits after each prompt, so a real position never sees it (padded
-        positions' outputs are dropped)."""
-        runner, cache = self.runner, self.runner.prefix_cache
+        """Fill each group's prompt columns (where it asks for them) from right-padded passes of like
+        lengths (or `run_shared`'s, where prompts share a prefix). The plain causal mask is enough:
+        padding sits after each prompt, so a real position never sees it (padded positions' outputs
+        are dropped)."""
+        cache = self.runner.prefix_cache
         # A group with interventions runs a modified forward pass: its keys and values are not those of
         # its tokens alone, so it neither uses nor seeds the prefix cache, nor shares a prefix in the batch.
         plain = [i for i, g in enumerate(groups) if not g.params.interventions]
@@ -57,6 +65,13 @@ class PromptBatches:
         clusters += kept.values()
         if clusters:
             return self.run_shared(groups, clusters)
+        for members in by_length([g.num_prompt_tokens for g in groups], self.MAX_PADDING, self.PASS_COST_TOKENS):
+            self.run_plain([groups[i] for i in members])
+
+    def run_plain(self, groups: list[SequenceGroup]) -> None:
+        """One right-padded pass of whole prompts, each from position 0."""
+        runner = self.runner
+        plain = [i for i, g in enumerate(groups) if not g.params.interventions]
         lengths = [g.num_prompt_tokens for g in groups]
         longest = max(lengths)
         ids = torch.zeros((len(groups), longest), dtype=torch.long)
@@ -69,11 +84,37 @@ class PromptBatches:
                         runner.attention.causal_masks(longest), keep=seeds.keep if seeds else None)
         edit = segment_editor([(row, 0, lengths[row], g.edits) for row, g in enumerate(groups)])
         hidden = runner.forward(ids, meta, edit=edit)
+        self.fill_columns(groups, hidden, ids, lengths)
+        seeds.insert(hidden)
+
+    def fill_columns(self, groups: list[SequenceGroup], hidden: torch.Tensor, ids: torch.Tensor,
+                     lengths: list[int]) -> None:
+        """Each group's prompt columns from a pass's hidden states [B, T, D] and ids [B, T]. Prompts
+        whose columns have the same shape go through the head together: the positions that predict a
+        token, of all of them, in one run of `columns.fill`, then cut per prompt. A short prompt alone
+        is a product of a few rows with the whole head (its every weight read for ~10 positions):
+        measured per position, 8 rows cost ~6x and 20 rows ~3x what 256 rows do."""
+        runner, by_shape = self.runner, {}
         for row, g in enumerate(groups):
             if g.params.needs_prompt_logits:
-                n = lengths[row]
-                g.prompt_columns = runner.columns.whole(hidden[row, :n], ids[row, :n], g.params)
-        seeds.insert(hidden)
+                by_shape.setdefault(column_shape(g.params), []).append(row)
+        for rows in by_shape.values():
+            params = groups[rows[0]].params
+            if len(rows) == 1 or params.prompt_logprobs == -1:  # the whole vocabulary: bounded per prompt
+                for row in rows:
+                    n = lengths[row]
+                    groups[row].prompt_columns = runner.columns.whole(hidden[row, :n], ids[row, :n], params)
+                continue
+            states = torch.cat([hidden[row, :lengths[row] - 1] for row in rows])  # each predicts the next token
+            targets = torch.cat([ids[row, 1:lengths[row]] for row in rows])
+            together = runner.columns.new(1 + states.shape[0], params)  # row 0: before the first target
+            runner.columns.fill(together, states, torch.cat([targets[:1], targets]), 0)
+            start = 1
+            for row in rows:
+                cols = runner.columns.new(lengths[row], params)
+                copy_shifted(together, start, cols, lengths[row] - 1)
+                groups[row].prompt_columns = cols
+                start += lengths[row] - 1
 
     def run_shared(self, groups: list[SequenceGroup], clusters: list[tuple]) -> None:
         """`clusters`: (length, members) for a prefix the members share within the batch, or (length,
@@ -222,6 +263,41 @@ class Seeds:
             mine = hidden[row, :m - first]
             states = torch.cat([self.prefix_of[row][3][:first], mine]) if first else mine
             self.cache.insert(self.groups[row].prompt_ids[:m], keys, values, states)
+
+
+def column_shape(params) -> tuple:
+    """What a prompt's columns hold (PromptColumnWriter.new): prompts alike in this fill one set together."""
+    return (params.num_prompt_top, params.prompt_logprobs == -1, tuple(params.logprob_token_ids),
+            params.position_stats, params.top_logprobs_p, params.max_top_p_tokens)
+
+
+def copy_shifted(source: PromptColumns, start: int, target: PromptColumns, count: int) -> None:
+    """Rows start..start+count-1 of `source`'s per-position arrays into rows 1..count of `target`."""
+    for name in ("logprobs", "ranks", "top_ids", "top_logprobs"):
+        getattr(target, name)[1:1 + count] = getattr(source, name)[start:start + count]
+    if source.extras is not None:
+        for name, array in vars(source.extras).items():
+            if isinstance(array, np.ndarray) and name != "token_ids":
+                getattr(target.extras, name)[1:1 + count] = array[start:start + count]
+
+
+def by_length(lengths: list[int], max_padding: float, pass_cost: int) -> list[list[int]]:
+    """Indices of `lengths` in passes of like length, shortest first: a pass takes the next longer
+    prompt unless its padding would then be more than `max_padding` of its padded tokens and more
+    than `pass_cost` tokens."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    passes, current, real = [], [], 0
+    for i in order:
+        padded = lengths[i] * (len(current) + 1)  # the pass's longest prompt would be this one
+        waste = padded - real - lengths[i]
+        if current and waste > max_padding * padded and waste > pass_cost:
+            passes.append(current)
+            current, real = [], 0
+        current.append(i)
+        real += lengths[i]
+    if current:
+        passes.append(current)
+    return passes
 
 
 def shared_prefixes(prompts: list[list[int]], minimum: int) -> list[tuple[int, list[int]]]:

@@ -20,6 +20,7 @@ from .attention import Attention, PassMeta, SlabRows
 from .fixed_shape import FixedShapeSteps
 from .prefill import PrefillState, prefill_chunks
 from .prompt_batch import PromptBatches
+from .tree import tree_pass
 from .weights import Linear, load_blocks, packing_works, release_packed
 
 log = logging.getLogger("logprobe.engine")
@@ -204,6 +205,11 @@ class LeanRunner:
         self.cache.add(handles, state.keys, state.values)  # all of them, or none (then nothing to release)
         group.rows = handles
         group.cache = None
+
+    @torch.inference_mode()
+    def tree_pass(self, tree) -> torch.Tensor:
+        """A token tree's next level, the prompt first (lean/tree.py): [rows, V] raw log probabilities."""
+        return tree_pass(self, tree)
 
     # ---- decode ------------------------------------------------------------------------------
     @torch.inference_mode()

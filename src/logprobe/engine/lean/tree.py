@@ -1,0 +1,76 @@
+"""A token tree's passes on the lean runner (engine/tree.py): the prompt once, then each level of the tree
+as one pass over its nodes, like the tree verification of speculative decoding.
+
+The tree's keys and values live in one buffer per layer, `TreeKV` ([KV, P + inner nodes, d]): the
+prompt's positions, then each expanded node's, in the order the passes ran them. A level's pass writes
+its nodes' keys and values after the ones held (attention.ChunkKV, as a prompt chunk does) and attends
+over the buffer with a tree mask: each node sees the prompt, its ancestors and itself, at its true
+position (a node of depth L sits at position P + L - 1); sliding windows cut the same mask by position.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ...backend import TreeShape
+from ..tree import TreeGroup
+from .attention import ChunkKV, PassMeta
+from .prefill import prepare_prefill
+
+
+class TreeKV:
+    """A tree's keys and values (per layer [KV, capacity, d]: the prompt, then the expanded nodes), the
+    position of each column, and the column of each expanded node."""
+
+    def __init__(self, runner, num_prompt: int, capacity: int):
+        shape = (runner.kv_heads, capacity, runner.head_dim)
+        self.keys = [torch.empty(shape, dtype=runner.dtype, device=runner.device) for _ in runner.layers]
+        self.values = [torch.empty(shape, dtype=runner.dtype, device=runner.device) for _ in runner.layers]
+        self.positions = np.zeros(capacity, dtype=np.int64)
+        self.positions[:num_prompt] = np.arange(num_prompt)
+        self.column_of: dict[int, int] = {}
+        self.num_prompt = num_prompt
+        self.length = 0  # columns written
+
+
+def inner_nodes(shape: TreeShape) -> int:
+    """The most nodes a tree of this shape expands (those above its deepest level)."""
+    return TreeShape(shape.depth - 1, shape.branches).max_nodes
+
+
+def tree_pass(runner, tree: TreeGroup) -> torch.Tensor:
+    """The tree's next pass: the prompt (first) or its frontier's nodes, one row each. Returns their raw
+    next-token log probabilities [rows, V]."""
+    if tree.cache is None:
+        num_prompt = tree.num_prompt_tokens
+        state = tree.cache = TreeKV(runner, num_prompt, num_prompt + inner_nodes(tree.shape))
+        ids = torch.tensor([tree.prompt_ids], dtype=torch.long, device=runner.device)
+        hidden = runner.forward(ids, prepare_prefill(runner, [(state, 0, num_prompt)]))[0, -1:]
+        state.length = num_prompt
+        return runner.logprobs_of(hidden)
+    state, frontier = tree.cache, tree.frontier
+    start, stop = state.length, state.length + len(frontier)
+    position = state.num_prompt + tree.level - 1
+    for j, node in enumerate(frontier):
+        state.column_of[node] = start + j
+    state.positions[start:stop] = position
+    ids = torch.tensor([[tree.token_ids[node] for node in frontier]], dtype=torch.long, device=runner.device)
+    hidden = runner.forward(ids, prepare_tree(runner, tree, state, start, stop))[0]
+    state.length = stop
+    return runner.logprobs_of(hidden)
+
+
+def prepare_tree(runner, tree: TreeGroup, state: TreeKV, start: int, stop: int) -> PassMeta:
+    """The pass of the frontier's nodes (columns start..stop of the buffer): each query sees the prompt's
+    columns and those of its lineage (its ancestors and itself)."""
+    seen = np.zeros((stop - start, stop), dtype=bool)
+    seen[:, :state.num_prompt] = True
+    for row, node in enumerate(tree.frontier):
+        seen[row, [state.column_of[n] for n in tree.lineage(node)]] = True
+    device = runner.device
+    key_positions = torch.from_numpy(state.positions[:stop]).to(device)
+    query_positions = key_positions[start:stop]
+    masks = runner.attention.row_masks(torch.from_numpy(seen).to(device)[None], query_positions[None, :, None],
+                                       key_positions[None, None, :])
+    return PassMeta(query_positions[None], masks, kv=ChunkKV([(state, start, stop)]))

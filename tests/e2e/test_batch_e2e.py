@@ -1,0 +1,110 @@
+"""A batch on a real `logprobe serve` of the bundled model, killed with SIGKILL and started again on
+the same --data-dir: mid-run, and again once every line was answered (while it finalizes). The batch
+ends completed with every line in the output exactly once, each answer the one its body gets alone
+and the float64 reference's numbers.
+
+The key's token budget (--tokens-per-minute) paces the lines after the first burst, so the first kill
+lands mid-run on any machine: a batch line waits for its budget, it does not fail."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections import Counter
+
+import httpx
+import orjson
+import pytest
+import serve_process
+
+from batch_helpers import assert_same_answer, jsonl, request_line, without_ids
+
+pytestmark = pytest.mark.e2e
+
+KEY = "batch-e2e-key"
+LINES = 60
+WORDS = ["river", "stone", "light", "quiet", "north", "paper", "glass", "field", "night", "storm"]
+
+
+def body_of(i: int) -> dict:
+    words = [WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(20 + (i * 13) % 50)]
+    body = {"model": "smollm2-135m", "input": " ".join(words)}
+    if i % 4 == 0:
+        body["context"] = "A list of words:"
+    if i % 5 == 0:
+        body["top_logprobs"] = 2
+    return body
+
+
+def start(data_dir):
+    return serve_process.start(["--data-dir", str(data_dir), "--api-key", KEY, "--tokens-per-minute", "2400"])
+
+
+def http(base: str) -> httpx.Client:
+    return httpx.Client(base_url=base, headers={"authorization": f"Bearer {KEY}"}, timeout=600)
+
+
+def batch_of(client: httpx.Client, batch_id: str) -> dict:
+    answer = client.get(f"/v1/batches/{batch_id}")
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def kill_when(proc, client, batch_id: str, ready) -> dict:
+    """SIGKILL the server as soon as `ready(batch)` holds; the batch as last seen."""
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        batch = batch_of(client, batch_id)
+        if ready(batch):
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=60)
+            return batch
+        time.sleep(0.02)
+    raise AssertionError(f"batch never reached the kill point: {batch}")
+
+
+def test_sigkill_mid_run_and_while_finalizing_then_resume(tmp_path, ref64, tokenizer):
+    lines = [request_line(f"line-{i}", "/v1/score", body_of(i)) for i in range(LINES)]
+    proc, base = start(tmp_path)
+    try:
+        with http(base) as client:
+            uploaded = client.post("/v1/files", data={"purpose": "batch"},
+                                   files={"file": ("lines.jsonl", jsonl(lines))}).json()
+            batch_id = client.post("/v1/batches", json={"input_file_id": uploaded["id"], "endpoint": "/v1/score",
+                                                        "completion_window": "24h"}).json()["id"]
+            seen = kill_when(proc, client, batch_id, lambda b: b["request_counts"]["completed"] >= 5)
+        assert seen["status"] == "in_progress" and seen["request_counts"]["completed"] < LINES
+        proc, base = start(tmp_path)
+        with http(base) as client:
+            seen = kill_when(proc, client, batch_id, lambda b: b["request_counts"]["completed"] == LINES)
+        proc, base = start(tmp_path)
+        with http(base) as client:
+            deadline = time.monotonic() + 900
+            while (batch := batch_of(client, batch_id))["status"] != "completed" and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert batch["status"] == "completed" and batch["request_counts"] == {"total": LINES, "completed": LINES,
+                                                                                 "failed": 0}
+            assert batch["error_file_id"] is None
+            raw = client.get(f"/v1/files/{batch['output_file_id']}/content").content
+            output = [orjson.loads(x) for x in raw.splitlines()]
+            assert Counter(x["custom_id"] for x in output) == Counter(x["custom_id"] for x in lines)
+            by_id = {x["custom_id"]: x["response"] for x in output}
+            for line in lines[:: LINES // 8]:  # a sample sent alone (each costs the key's budget too)
+                alone = client.post("/v1/score", json=line["body"])
+                assert alone.status_code == 200, alone.text
+                assert_same_answer(without_ids(by_id[line["custom_id"]]["body"]), without_ids(alone.json()), 1e-4)
+            for line in lines[1:4]:
+                check_reference(by_id[line["custom_id"]]["body"], line["body"], ref64, tokenizer)
+    finally:
+        serve_process.stop(proc)
+
+
+def check_reference(answer: dict, body: dict, ref64, tokenizer) -> None:
+    item = answer["data"][0]
+    ids = tokenizer(body["input"], add_special_tokens=False).input_ids
+    head = [tokenizer.bos_token_id] + (tokenizer(body["context"], add_special_tokens=False).input_ids
+                                       if body.get("context") else [])
+    ref = ref64(head + ids)
+    want = [ref[len(head) - 1 + i][t] for i, t in enumerate(ids)]
+    assert item["token_ids"] == ids
+    assert max(abs(a - b) for a, b in zip(item["token_logprobs"], want)) < 2e-4

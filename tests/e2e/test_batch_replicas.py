@@ -1,0 +1,85 @@
+"""A batch behind `--replicas 2` with one replica killed (SIGKILL) mid-batch: the runner in the ingress
+runs the lost lines again on the other replica (and Serve's replacement), the batch completes, and the
+output has every line exactly once, each the answer its body gets alone."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+
+from batch_helpers import assert_same_answer, jsonl, request_line, without_ids
+
+pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install 'logprobe[ray]')")
+pytestmark = pytest.mark.e2e
+
+_spec = importlib.util.spec_from_file_location("logprobe_servers", Path(__file__).parents[2] / "benchmarks" / "servers.py")
+servers = sys.modules.get("logprobe_servers") or importlib.util.module_from_spec(_spec)
+if "logprobe_servers" not in sys.modules:
+    sys.modules["logprobe_servers"] = servers
+    _spec.loader.exec_module(servers)
+
+MODEL = "smollm2-135m"
+LINES = 32
+
+
+def replica_pids(cluster) -> set[int]:
+    pids = set()
+    for pid in cluster.session_pids():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                if b"ModelReplica" in fh.read():
+                    pids.add(pid)
+        except OSError:
+            pass
+    return pids
+
+
+def test_a_replica_lost_mid_batch(tmp_path):
+    cluster = servers.start(["--replicas", "2", "--cpus-per-replica", "1", "--ray-cpus", "2",
+                             "--data-dir", str(tmp_path)], prefix="logprobe-batch-replicas-")
+    try:
+        lines = [request_line(f"g{i}", "/v1/completions", {"model": MODEL, "prompt": f"Count to {i}:",
+                                                            "max_tokens": 24, "temperature": 0, "logprobs": 1})
+                 for i in range(LINES)]
+        with httpx.Client(base_url=cluster.base, timeout=600) as client:
+            uploaded = client.post("/v1/files", data={"purpose": "batch"},
+                                   files={"file": ("lines.jsonl", jsonl(lines))}).json()
+            batch_id = client.post("/v1/batches", json={"input_file_id": uploaded["id"],
+                                                        "endpoint": "/v1/completions",
+                                                        "completion_window": "24h"}).json()["id"]
+            victims = replica_pids(cluster)
+            assert len(victims) == 2
+            deadline = time.monotonic() + 600
+            while client.get(f"/v1/batches/{batch_id}").json()["status"] != "in_progress":
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            time.sleep(1.0)  # lines are on both replicas
+            os.kill(min(victims), signal.SIGKILL)
+            at_kill = client.get(f"/v1/batches/{batch_id}").json()["request_counts"]["completed"]
+            while (batch := client.get(f"/v1/batches/{batch_id}").json())["status"] != "completed":
+                assert time.monotonic() < deadline, batch
+                time.sleep(0.2)
+            assert batch["request_counts"] == {"total": LINES, "completed": LINES, "failed": 0}
+            raw = client.get(f"/v1/files/{batch['output_file_id']}/content").content
+            output = {}
+            for entry in map(orjson.loads, raw.splitlines()):
+                assert entry["custom_id"] not in output
+                output[entry["custom_id"]] = entry["response"]
+            assert sorted(output) == sorted(x["custom_id"] for x in lines)
+            if at_kill < LINES:  # the lost replica had lines: they ran again on the other one
+                assert "runs again: The model replica serving this request went away" in cluster.log_text()
+            for line in lines[::8]:
+                alone = client.post("/v1/completions", json=line["body"])
+                assert alone.status_code == 200, alone.text
+                # the same tokens; the numbers within float32 rounding of decode steps batched with other rows
+                assert_same_answer(without_ids(output[line["custom_id"]]["body"]), without_ids(alone.json()), 1e-4)
+    finally:
+        cluster.terminate()
