@@ -181,6 +181,8 @@ def test_a_failed_step_fails_its_requests_resets_and_recovers(fresh, monkeypatch
     # the engine rebuilt its cache and its self-check (a step that succeeds) makes it ready again
     body = wait_health(client, "ready")
     assert body["engine_failures"]["steps"] == 1 and body["last_error"]["type"] == "RuntimeError"
+    while engine.num_in_flight:  # "ready" comes with the self-check's first step; it holds a row until its last
+        time.sleep(0.01)
     assert engine.runner.cache.rows == () and engine.runner.is_consistent(engine.scheduler.running)
     assert greedy(client, [5, 6, 7], 6) == want
     assert metric(client, 'logprobe_engine_failures_total{kind="step"}') == 1
