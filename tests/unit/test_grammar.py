@@ -175,3 +175,27 @@ def test_every_stop_token_ends_a_complete_text(table, tokenizer):
     assert state.allowed()[[STOP, 0]].all()
     state.advance(0)
     assert state.is_finished
+
+
+def test_a_full_cache_drops_the_least_recently_used_and_its_states_still_work(monkeypatch, vocab, table, tokenizer):
+    """The cache stays at its size however many constraints come; a state made before its grammar was
+    dropped keeps answering, and the dropped constraint compiles again (a miss) to the same allowed sets."""
+    monkeypatch.setattr(grammar, "_cache", grammar._Cache(2))
+    choices = [b"12", b"34"]
+    kept = Constraint("choice", json.dumps([c.decode() for c in choices]))
+    early = grammar.new_state(kept, vocab)
+    for n in range(4):  # four other constraints push `kept` out
+        grammar.grammar_for(Constraint("regex", f"[0-9]{{{n + 1}}}"), vocab)
+    stats = grammar.cache_stats()
+    assert stats["entries"] == 2 and stats["misses"] == 5
+    late = grammar.new_state(kept, vocab)
+    assert grammar.cache_stats()["misses"] == 6  # compiled again
+    expected = expected_for_choices(table, choices, b"")
+    assert np.array_equal(early.allowed()[:len(expected)], expected)
+    assert np.array_equal(late.allowed()[:len(expected)], expected)
+    one = tokenizer("1", add_special_tokens=False).input_ids[0]
+    early.advance(one)
+    late.advance(one)
+    after_one = expected_for_choices(table, choices, b"1")
+    assert np.array_equal(early.allowed()[:len(after_one)], after_one)
+    assert np.array_equal(late.allowed()[:len(after_one)], after_one)
