@@ -21,6 +21,12 @@ on a local Ray with 2 workers against the whole in-process job, on `--ray-rows` 
 their model loads (the Ray job starts its actors and loads the model in each; Ray itself is started
 before the clock).
 
+The matmul ceiling line, printed before the rounds: the model's multiply-adds per scored token (every
+block's projections and MLP, and the head; 2 FLOPs a weight, from the model's config; attention's own
+products, under 1% at these lengths, and BOS and padding left out, so a fraction is of useful work) and a
+bare [1024, D] x [D, I] product's rate at each dtype. Tokens per second at that rate is what no arm can
+pass; each arm's fraction of it is printed with its rate.
+
     python benchmarks/score_dataset.py [--rows 5000] [--rounds 5] [--http-every 5] [--dtype float32|bfloat16]
                                        [--ray] [--ray-rows 1000] [--skip-transformers]
 """
@@ -135,6 +141,34 @@ class TransformersLoop:
         return scored, time.perf_counter() - started
 
 
+def flops_per_token(model_dir: str) -> tuple[float, float, int, int]:
+    """(blocks' FLOPs, the head's FLOPs, hidden size, MLP size) per scored token, from the model's config."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(model_dir)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    q_and_o = 2 * c.hidden_size * c.num_attention_heads * head_dim
+    k_and_v = 2 * c.hidden_size * c.num_key_value_heads * head_dim
+    mlp = 3 * c.hidden_size * c.intermediate_size  # gate, up, down
+    blocks = 2 * c.num_hidden_layers * (q_and_o + k_and_v + mlp)
+    return blocks, 2 * c.hidden_size * c.vocab_size, c.hidden_size, c.intermediate_size
+
+
+def matmul_rate(dtype: str, rows: int, inner: int, outer: int, seconds: float = 2.0) -> float:
+    """FLOP/s of a bare [rows, inner] x [inner, outer] product at `dtype`: the best of repeats for `seconds`."""
+    import torch
+
+    a = torch.randn(rows, inner, dtype=getattr(torch, dtype))
+    w = torch.randn(outer, inner, dtype=getattr(torch, dtype))
+    best, stop = float("inf"), time.perf_counter() + seconds
+    a @ w.T  # warm-up
+    while time.perf_counter() < stop:
+        started = time.perf_counter()
+        a @ w.T
+        best = min(best, time.perf_counter() - started)
+    return 2 * rows * inner * outer / best
+
+
 def ray_against_in_process(source: str, folder: str, dtype: str) -> None:
     """The whole job, model loads included: in process, then on a local Ray of 2 workers."""
     from logprobe.datasets import job, ray_job
@@ -181,6 +215,13 @@ def main() -> None:
     if not args.skip_transformers:
         peer = TransformersLoop(str(loader.ensure_cached(str(loader.bundled_gguf_path()))), args.dtype)
         arms["transformers"] = peer
+    blocks, head, hidden, inner = flops_per_token(str(loader.ensure_cached(str(loader.bundled_gguf_path()))))
+    ceilings = {dtype: matmul_rate(dtype, 1024, hidden, inner) for dtype in ("float32", "bfloat16")}
+    ceiling = ceilings[args.dtype] / (blocks + head)  # scored tokens a second at the bare product's rate
+    print(f"matmul ceiling: {(blocks + head) / 1e6:.1f} MFLOP a scored token ({blocks / 1e6:.1f} blocks + "
+          f"{head / 1e6:.1f} head); a bare [1024, {hidden}] x [{hidden}, {inner}] product runs "
+          + ", ".join(f"{rate / 1e9:.0f} GFLOP/s at {dtype}" for dtype, rate in ceilings.items())
+          + f": at most {ceiling:.0f} tok/s at {args.dtype}", flush=True)
     rates: dict[str, list[float]] = {name: [] for name in arms}
     try:
         with tempfile.TemporaryDirectory(prefix="score-dataset-") as folder:
@@ -197,7 +238,8 @@ def main() -> None:
             for name, values in rates.items():
                 ratios = [base / v for base, v in zip(rates["in-process"], values)]
                 print(f"  {name:>12}: {statistics.median(values):8.1f} tok/s; in-process is "
-                      f"{statistics.median(ratios):.2f}x this (rounds {', '.join(f'{r:.2f}' for r in ratios)})")
+                      f"{statistics.median(ratios):.2f}x this (rounds {', '.join(f'{r:.2f}' for r in ratios)}); "
+                      f"{statistics.median(values) / ceiling:.0%} of the matmul ceiling")
             if args.ray:
                 server.terminate()
                 scorer.close()

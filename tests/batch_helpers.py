@@ -1,9 +1,12 @@
-"""What the Batch API tests share: JSONL files of request lines, an openai client over a TestClient, and
-waiting for a batch to end."""
+"""What the Batch API tests share: JSONL files of request lines, an openai client over a TestClient,
+waiting for a batch to end, and a gate that holds the fake backend still (so that a batch is certain to
+have work in hand when a test cancels it or moves its clock, however fast or slow the machine)."""
 
 from __future__ import annotations
 
+import asyncio
 import math
+import threading
 import time
 
 import orjson
@@ -36,6 +39,55 @@ def wait_for(oai, batch_id: str, statuses=TERMINAL, limit_s: float = 600):
         if time.monotonic() > deadline:
             raise AssertionError(f"batch {batch_id} still {batch.status} after {limit_s} s")
         time.sleep(0.05)
+
+
+def until(condition, what: str, limit_s: float = 600) -> None:
+    """Poll `condition` until it holds (the limit only stops a hung test)."""
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {limit_s} s for {what}")
+        time.sleep(0.01)
+
+
+class Gate:
+    """A FakeBackend's `gate`: the first `passes` runs go through; every later one waits before its first
+    step until `open()`. `num_held` counts the runs waiting now (a cancelled one stops waiting),
+    `num_entered` every run that reached the gate. Safe to read from the test's thread."""
+
+    def __init__(self, passes: int = 0):
+        self._lock = threading.Lock()
+        self._opened = threading.Event()
+        self._passes = passes
+        self.num_entered = self.num_held = 0
+
+    async def __call__(self) -> None:
+        with self._lock:
+            self.num_entered += 1
+            if self._passes > 0 or self._opened.is_set():
+                self._passes -= 1
+                return
+            self.num_held += 1
+        try:
+            while not self._opened.is_set():  # the event loop's thread must stay free: poll, never block
+                await asyncio.sleep(0.005)
+        finally:
+            with self._lock:
+                self.num_held -= 1
+
+    def open(self) -> None:
+        self._opened.set()
+
+
+def settle(client, runner) -> None:
+    """Return once the batch runner (on the TestClient's event loop) runs no line, holds no uncommitted
+    answer, and has done two whole rounds since: it has had every chance to claim and write."""
+    until(lambda: not runner.tasks and not runner.results, "the batch runner to stop running lines")
+    for _ in range(2):  # the first round to end may have begun before; the second began after it
+        seen = runner.num_rounds
+        client.portal.call(runner.wake)  # on the loop's thread: asyncio.Event is not thread-safe
+        until(lambda: runner.num_rounds > seen, "a round of the batch runner")
+    until(lambda: not runner.tasks and not runner.results, "the batch runner to stop running lines")
 
 
 def lines_of(oai, file_id: str | None) -> list[dict]:

@@ -14,7 +14,9 @@ transformers: the API runs on it in milliseconds, and with torch made unimportab
 What it records of the seam: `calls` (every run / stream with its requests), `streams` (each stream's
 iterator: closed, finished), `cancelled` (runs whose awaiting task was cancelled), `aborted` (ids given
 to `abort`). `fail_with` makes run and stream raise (after `fail_after_steps` steps); `step_delay`
-sleeps between steps (for time-outs and disconnects); `failing` and the failure counters feed /health.
+sleeps between steps (for time-outs and disconnects); `gate`, if set, is awaited before a run's or
+stream's first step (a test holds work there, tests/batch_helpers.py `Gate`); `failing` and the
+failure counters feed /health.
 
 `TinyTokenizer` is a byte-level tokenizer with `<s>` / `</s>`: the methods and attributes the API and
 `TokenTable.build` use of a transformers tokenizer, and nothing else.
@@ -386,6 +388,7 @@ class FakeBackend:
         self.fail_with: BaseException | None = None
         self.fail_after_steps = 0
         self.step_observer = None  # called with (seconds, rows) after each step, as the engine does
+        self.gate = None  # an async callable each run and stream awaits before its first step (a test's hold)
         self.failure_observer = None  # called with "request" when fail_with fails a request
         self.failing = False
         self.step_failures = 0
@@ -550,6 +553,8 @@ class FakeBackend:
         self._running += groups.values()
         self.in_flight += len(groups)
         try:
+            if self.gate is not None:
+                await self.gate()
             steps = 0
             while self._step_all(list(groups.values()), steps):  # sleeping between steps: a cancellation lands there
                 steps += 1
@@ -582,6 +587,8 @@ class FakeBackend:
         self._running += groups
         self.in_flight += len(groups)
         try:
+            if self.gate is not None:
+                await self.gate()
             steps = 0
             while self._step_all(groups, steps, on_step):
                 steps += 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import sys
 
 import orjson
@@ -124,6 +125,8 @@ def score_dataset(args) -> int:
             raise DatasetError(f"--top {args.top} is outside 0..100")
         options = ScoreOptions(top=args.top, tokens=args.tokens, stats=args.stats, add_bos=not args.no_bos,
                                skip_invalid=args.skip_invalid)
+        if not args.output and (os.path.isdir(args.input) or any(c in args.input for c in "*?[")):
+            raise DatasetError(f"{args.input} names several files: give --output (a .parquet, .jsonl or .csv file)")
         output = args.output or args.input + ".scores.parquet"
         read_opts = job.ReadOptions(args.column, args.context_column, args.id_column)
         progress = "none" if args.quiet else "auto"

@@ -11,7 +11,7 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from batch_helpers import jsonl, lines_of, request_line, sdk, wait_for
+from batch_helpers import Gate, jsonl, lines_of, request_line, sdk, settle, until, wait_for
 from fake_backend import FakeBackend
 from logprobe.api.app import create_app
 from logprobe.batch import runner as batch_runner
@@ -28,9 +28,10 @@ class Clock:
         return self.now
 
 
-def build(tokenizer, tmp_path, *, step_delay=0.0, clock=None, keys=KEYS, in_flight=128, **settings):
+def build(tokenizer, tmp_path, *, gate=None, clock=None, keys=KEYS, in_flight=128, **settings):
     backend = FakeBackend(tokenizer, name="test/tiny-llama", aliases=("tiny",), num_layers=2, d_model=64,
-                          context_length=256, step_delay=step_delay)
+                          context_length=256)
+    backend.gate = gate
     app = create_app(backend, Limits(), api_keys=keys)
     batch_runner.install(app, BatchSettings(data_dir=str(tmp_path), **settings), clock or time.time)
     store = app.state.batch_store
@@ -202,59 +203,73 @@ def test_two_keys_cannot_see_each_other(app):
 
 
 def test_cancel_mid_run(tokenizer, tmp_path):
-    app = build(tokenizer, tmp_path, step_delay=0.05, in_flight=2)
+    """Two lines answered, the next two held in the backend when the batch is cancelled: those two stop
+    (not errors), no other line runs, and nothing is written after `cancelled`."""
+    gate = Gate(passes=2)
+    app = build(tokenizer, tmp_path, gate=gate, in_flight=2)
     lines = [request_line(f"c{i}", "/v1/completions", {"model": "tiny", "prompt": "Hello", "max_tokens": 8,
                                                        "temperature": 0}) for i in range(40)]
     with TestClient(app) as client:
         oai = sdk(client, KEYS[0])
         batch = oai.batches.create(input_file_id=upload(oai, lines).id, endpoint="/v1/completions",
                                    completion_window="24h")
-        deadline = time.monotonic() + 600
-        while oai.batches.retrieve(batch.id).request_counts.completed < 2 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        until(lambda: oai.batches.retrieve(batch.id).request_counts.completed == 2 and gate.num_held == 2,
+              "two lines answered and two held")
         cancelling = oai.batches.cancel(batch.id)
         assert cancelling.status in ("cancelling", "cancelled") and cancelling.cancelling_at
         done = wait_for(oai, batch.id)
         assert done.status == "cancelled" and done.cancelled_at
+        assert gate.num_held == 0  # the held lines were stopped, not left waiting
         output = lines_of(oai, done.output_file_id)
-        assert 2 <= len(output) == done.request_counts.completed < 40
+        assert len(output) == done.request_counts.completed == 2
         assert done.error_file_id is None and done.request_counts.failed == 0  # stopped lines are not errors
         assert max(Counter(x["custom_id"] for x in output).values()) == 1
-        time.sleep(0.3)  # nothing more is written after `cancelled`
-        assert oai.batches.retrieve(batch.id).request_counts.completed == len(output)
+        gate.open()  # nothing more is run or written after `cancelled`, even with the backend free to run
+        settle(client, app.state.batch_runner)
+        assert gate.num_entered == 4  # no line of the cancelled batch was run again
+    oai = sdk(TestClient(app), KEYS[0])  # the runner stopped, every answer it made committed; no new runner
+    after = oai.batches.retrieve(batch.id)
+    assert after.status == "cancelled" and after.request_counts.completed == 2
+    assert lines_of(oai, after.output_file_id) == output
 
 
 def test_expiry_and_retention_on_an_injected_clock(tokenizer, tmp_path):
-    clock = Clock()
-    app = build(tokenizer, tmp_path, step_delay=0.05, clock=clock, in_flight=1, file_retention_days=30,
+    """One line answered and one held in the backend when the window ends: the held one stops, it and
+    the 28 never started go to the error file as expired; 30 days later everything is deleted."""
+    clock, gate = Clock(), Gate(passes=1)
+    app = build(tokenizer, tmp_path, gate=gate, clock=clock, in_flight=1, file_retention_days=30,
                 batch_retention_days=30)
     lines = [request_line(f"e{i}", "/v1/completions", {"model": "tiny", "prompt": "Hello", "max_tokens": 6})
              for i in range(30)]
     with TestClient(app) as client:
         oai = sdk(client, KEYS[0])
+        runner = app.state.batch_runner
         uploaded = upload(oai, lines)
         batch = oai.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
         assert batch.expires_at == batch.created_at + 24 * 3600
-        deadline = time.monotonic() + 600
-        while oai.batches.retrieve(batch.id).request_counts.completed < 1 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        until(lambda: oai.batches.retrieve(batch.id).request_counts.completed == 1 and gate.num_held == 1,
+              "one line answered and one held")
         clock.now += 24 * 3600 + 1
-        app.state.batch_runner._swept = 0.0
-        app.state.batch_runner.wake()
+        runner._swept = 0.0  # the expiry sweep runs in the next round
+        client.portal.call(runner.wake)
         done = wait_for(oai, batch.id)
-        assert done.status == "expired" and done.expired_at
+        assert done.status == "expired" and done.expired_at and gate.num_held == 0
         output, errors = lines_of(oai, done.output_file_id), lines_of(oai, done.error_file_id)
-        assert done.request_counts.completed == len(output) >= 1
-        assert done.request_counts.failed == len(errors) == 30 - len(output)
+        assert done.request_counts.completed == len(output) == 1
+        assert done.request_counts.failed == len(errors) == 29
         assert Counter(x["custom_id"] for x in output + errors) == Counter(x["custom_id"] for x in lines)
         for entry in errors:
             assert entry["response"] is None and entry["error"]["code"] == "batch_expired"
+        gate.open()  # nothing more is run or written after `expired`
+        settle(client, runner)
+        assert gate.num_entered == 2
+        after = oai.batches.retrieve(batch.id)
+        assert (after.status, after.request_counts.completed, after.request_counts.failed) == ("expired", 1, 29)
         clock.now += 30 * 86400
-        app.state.batch_runner._swept = 0.0
-        app.state.batch_runner.wake()
-        deadline = time.monotonic() + 600
-        while (oai.files.list().data or any((tmp_path / "files").iterdir())) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        runner._swept = 0.0
+        client.portal.call(runner.wake)
+        until(lambda: not oai.files.list().data and not any((tmp_path / "files").iterdir()),
+              "the files past their retention to be deleted")
         assert oai.files.list().data == [] and oai.batches.list().data == []
         assert refusal(lambda: oai.files.content(uploaded.id))["status"] == 404
         assert not any((tmp_path / "files").iterdir())

@@ -18,6 +18,7 @@ import pytest
 from logprobe.api.app import create_app
 from logprobe.config import Limits
 from logprobe.engine.engine import Engine
+from paused_engine import paused_after
 
 NUM_LINES = 200
 PATIENCE_S = 300  # how long a wait for the engine may take before the test fails (a hang, not a speed check)
@@ -52,11 +53,11 @@ class Steps:
         self.queued_at[group.request_id] = len(self.plans)
         self._add(group)
 
-    def schedule(self):
+    def schedule(self, *args, **kwargs):  # also the interactive steps between a batch pass's blocks
         with self.cond:
             self.cond.wait_for(lambda: self.allowed > 0)
             self.allowed -= 1
-        plan = self._schedule()
+        plan = self._schedule(*args, **kwargs)
         if plan is not None:
             prompts = plan.score + [c.group for c in plan.prefill]
             self.plans.append({"prompt": [(g.request_id, g.priority) for g in prompts],
@@ -107,6 +108,15 @@ def test_an_interactive_request_runs_in_the_next_step_among_200_batch_lines(engi
     app = create_app(engine, Limits(max_tokens_in_flight=capacity))
     admission = app.state.admission
 
+    submitted = []  # every group the server queued for the engine, when it queued it
+    submit = engine.submit
+
+    def record_submit(groups):
+        submitted.extend(groups)
+        return submit(groups)
+
+    engine.submit = record_submit
+
     async def main():
         transport = httpx.ASGITransport(app=BatchHeader(app))
         async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=None) as client:
@@ -115,18 +125,20 @@ def test_an_interactive_request_runs_in_the_next_step_among_200_batch_lines(engi
                      for i in range(NUM_LINES)]
             await until(lambda: engine.num_in_flight + admission.batch_queue_depth == NUM_LINES,
                         "the batch lines to be queued")
-            steps.allow(3)
-            await until(lambda: len(steps.plans) == 3 and not steps.allowed, "three engine steps")
-            queued = len([g for g in engine.scheduler.waiting if g.is_batch]) + admission.batch_queue_depth
-            assert queued > NUM_LINES // 2  # most batch lines are still waiting for the engine or a hold
-            in_flight = engine.num_in_flight
-            interactive = asyncio.ensure_future(client.post("/v1/completions", json={
-                "model": "tiny", "prompt": "An interactive question", "max_tokens": 4, "temperature": 0,
-                "logprobs": 2}))
-            # admitted at once, whatever the batch lines hold: it reaches the engine with no step run
-            await until(lambda: engine.num_in_flight == in_flight + 1, "the interactive request's hold")
-            num_plans = len(steps.plans)
-            steps.allow(1 << 30)
+            # three steps, then the engine's thread is held at the end of the third (its outputs
+            # processed, the next plan not begun) while the interactive request is sent
+            with paused_after(engine, 3) as paused:
+                steps.allow(1 << 30)
+                await until(paused.is_set, "three engine steps")
+                queued = len([g for g in engine.scheduler.waiting if g.is_batch]) + admission.batch_queue_depth
+                assert queued > NUM_LINES // 2  # most batch lines are still waiting for the engine or a hold
+                interactive = asyncio.ensure_future(client.post("/v1/completions", json={
+                    "model": "tiny", "prompt": "An interactive question", "max_tokens": 4, "temperature": 0,
+                    "logprobs": 2}))
+                # admitted at once, whatever the batch lines hold: it reaches the engine with no step run
+                await until(lambda: any(not g.is_batch for g in submitted), "the interactive request's hold")
+                num_plans = len(steps.plans)
+                assert num_plans == 3
             answer = await interactive
             answers = await asyncio.gather(*lines)
         return answer, answers, num_plans, queued

@@ -4,7 +4,8 @@ ends completed with every line in the output exactly once, each answer the one i
 and the float64 reference's numbers.
 
 The key's token budget (--tokens-per-minute) paces the lines after the first burst, so the first kill
-lands mid-run on any machine: a batch line waits for its budget, it does not fail."""
+lands mid-run on any machine: a batch line waits for its budget, it does not fail. The lines' prompt
+tokens are counted first, so that pacing is checked, not assumed."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from batch_helpers import assert_same_answer, jsonl, request_line, without_ids
 pytestmark = pytest.mark.e2e
 
 KEY = "batch-e2e-key"
+BUDGET = 2400  # --tokens-per-minute: a bucket of this many tokens, refilled at BUDGET / 60 a second
 LINES = 60
 WORDS = ["river", "stone", "light", "quiet", "north", "paper", "glass", "field", "night", "storm"]
 
@@ -37,7 +39,7 @@ def body_of(i: int) -> dict:
 
 
 def start(data_dir):
-    return serve_process.start(["--data-dir", str(data_dir), "--api-key", KEY, "--tokens-per-minute", "2400"])
+    return serve_process.start(["--data-dir", str(data_dir), "--api-key", KEY, "--tokens-per-minute", str(BUDGET)])
 
 
 def http(base: str) -> httpx.Client:
@@ -63,8 +65,17 @@ def kill_when(proc, client, batch_id: str, ready) -> dict:
     raise AssertionError(f"batch never reached the kill point: {batch}")
 
 
+def prompt_tokens(body: dict, tokenizer) -> int:
+    """What a score line is charged: `<s>`, the context and the input."""
+    texts = [body["input"]] + ([body["context"]] if body.get("context") else [])
+    return 1 + sum(len(tokenizer(text, add_special_tokens=False).input_ids) for text in texts)
+
+
 def test_sigkill_mid_run_and_while_finalizing_then_resume(tmp_path, ref64, tokenizer):
     lines = [request_line(f"line-{i}", "/v1/score", body_of(i)) for i in range(LINES)]
+    # past the first burst the lines wait >= 5 s for the refill, whatever the server's speed: the batch
+    # is certain to be in progress when 5 lines are answered (a poll every 20 ms sees it)
+    assert sum(prompt_tokens(x["body"], tokenizer) for x in lines) - BUDGET >= 5 * BUDGET / 60
     proc, base = start(tmp_path)
     try:
         with http(base) as client:

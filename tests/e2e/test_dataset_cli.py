@@ -171,3 +171,18 @@ def test_bad_input_exits_2_without_output(tmp_path, name, content, flags, messag
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("logprobe score: ") and message in last
     assert not out.exists() and not os.path.exists(str(out) + ".parts")
+
+
+@pytest.mark.parametrize("pattern", ["dir", "*.jsonl"])
+def test_several_input_files_need_an_output(tmp_path, pattern):
+    """A directory or glob names several files: the default output (the input's name + .scores.parquet)
+    would be inside the directory or carry the glob's characters, so --output is asked for."""
+    folder = tmp_path / "dir"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text('{"text": "a"}\n', encoding="utf-8")
+    given = str(folder) if pattern == "dir" else str(folder / pattern)
+    done = run_cli("--input", given, "--ray")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (f"logprobe score: {given} names several files: give --output "
+                                                    "(a .parquet, .jsonl or .csv file)")
+    assert sorted(os.listdir(folder)) == ["a.jsonl"]

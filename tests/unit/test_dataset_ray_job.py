@@ -1,6 +1,6 @@
-"""The driver's side of the Ray job (src/logprobe/datasets/ray_job.py), without Ray: the blocks it hands
-out, their results written as parts and merged (every row once), the refusal of a row a worker could not score, and the
-CLI's dispatch to it. The pipeline itself runs in tests/e2e/test_dataset_ray.py."""
+"""The driver's side of the Ray job (src/logprobe/datasets/ray_job.py, ray_input.py), without Ray: the chunks
+a read block becomes, their results written as parts and merged (every row once), the refusal of a row a
+worker could not score, and the CLI's dispatch to it. The pipeline itself runs in tests/e2e/test_dataset_ray.py."""
 
 from __future__ import annotations
 
@@ -9,24 +9,65 @@ import pytest
 pa = pytest.importorskip("pyarrow")
 
 from logprobe.datasets import ray_job  # noqa: E402
-from logprobe.datasets.io import DatasetError, Row  # noqa: E402
+from logprobe.datasets.io import DatasetError  # noqa: E402
 
 
-def _rows() -> list[Row]:
+def _block():
     texts = ["a much longer text than the others", "b", "", "mid length", "ctx row", "ctx row two, longer"]
-    contexts = [None, None, None, None, "Q:", "Q:"]
-    return [Row(i, f"id{i}", t, c) for i, (t, c) in enumerate(zip(texts, contexts))]
+    contexts = [None, None, "", None, "Q:", "Q:"]
+    return pa.table({"key": [f"id{i}" for i in range(6)], "body": texts, "q": contexts})
 
 
-def test_blocks_hold_every_row_once_like_rows_together():
-    blocks = ray_job.input_blocks(_rows(), batch_rows=4)
-    assert [b.num_rows for b in blocks] == [4, 2]
-    assert blocks[0].column_names == [ray_job.INDEX, "id", "text", "context"]
-    order = [i for b in blocks for i in b.column(ray_job.INDEX).to_pylist()]
-    # no context first, shortest first; then the rows of context "Q:", shortest first
-    assert order == [2, 1, 3, 0, 4, 5]
-    assert blocks[1].column("context").to_pylist() == ["Q:", "Q:"]
-    assert blocks[0].column("context").null_count == 4
+NAMES = {"text": "body", "context": "q", "id": "key"}
+
+
+def test_a_block_becomes_chunks_of_like_rows_without_the_rows_done():
+    """Rows 10..15 of the input; row 11 already in the parts; chunks of 3 and 2 rows, one id bucket."""
+    pytest.importorskip("ray.data")
+    from logprobe.datasets import ray_input
+
+    ranges = ray_input.ranges_of({3, 4, 11, 30})
+    assert ranges == [(3, 5), (11, 12), (30, 31)]
+    held, touching = ray_input.overlap(ranges, 10, 16)
+    assert (held, touching) == (1, [(11, 12)])
+    problem, *chunks, ids = ray_input.index_block(_block(), 10, touching, NAMES, "in.parquet", [3, 2], buckets=1)
+    assert problem is None and [c.num_rows for c in chunks] == [3, 2]
+    assert chunks[0].column_names == [ray_input.INDEX, "id", "text", "context"]
+    order = [i for c in chunks for i in c.column(ray_input.INDEX).to_pylist()]
+    # no context first (an empty one is none), shortest first; then the rows of context "Q:", shortest first
+    assert order == [12, 13, 10, 14, 15]
+    assert chunks[1].column("context").to_pylist() == ["Q:", "Q:"] and chunks[0].column("context").null_count == 3
+    assert ids.column("id").to_pylist() == [f"id{i}" for i in range(6)]  # every row, the done one too
+    assert ray_input.first_duplicate(ids) is None
+    one = pa.table({"id": ["x", "y"], ray_input.INDEX: pa.array([7, 2], pa.int64())})
+    two = pa.table({"id": ["y", "x", "z"], ray_input.INDEX: pa.array([5, 3, 4], pa.int64())})
+    assert ray_input.first_duplicate(one, None, two) == (5, 2, "y")  # "y" is seen again first, in row 5
+
+
+def test_a_block_reports_its_first_problem_by_input_row():
+    pytest.importorskip("ray.data")
+    from logprobe.datasets import ray_input
+
+    table = _block().set_column(1, "body", pa.array(["x", None, "y", "z", 5 * "w", "v"]))
+    problem = ray_input.index_block(table, 100, [], NAMES, "in.parquet", [6], buckets=0)[0]
+    assert problem == (1, 101, "in.parquet: row 101 of column 'body' is null, not text")
+    problem = ray_input.index_block(table, 0, [], dict(NAMES, id="nope"), "in.parquet", [6], buckets=0)[0]
+    assert problem[2] == "in.parquet: no column 'nope' (--id-column); the columns are: 'key', 'body', 'q'"
+
+
+def test_input_files_of_a_directory_and_a_glob(tmp_path):
+    from logprobe.datasets import ray_input
+
+    for name in ("b.parquet", "a.parquet", "_SUCCESS", ".a.parquet.crc"):
+        (tmp_path / name).write_bytes(b"")
+    assert ray_input.input_files(str(tmp_path)) == ([str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")],
+                                                    "parquet")
+    assert ray_input.input_files(str(tmp_path / "b*"))[0] == [str(tmp_path / "b.parquet")]
+    (tmp_path / "c.csv").write_bytes(b"")
+    with pytest.raises(DatasetError, match="of one type"):
+        ray_input.input_files(str(tmp_path))
+    with pytest.raises(DatasetError, match="No such file or directory"):
+        ray_input.input_files(str(tmp_path / "missing.parquet"))
 
 
 def _scored(indices: list[int], errors: list[str | None] | None = None):
@@ -92,10 +133,10 @@ def test_bad_options_are_refused_before_ray_starts(tmp_path, monkeypatch):
         ray_job.run(str(source), str(tmp_path / "out.parquet"), workers=0)
     with pytest.raises(DatasetError, match="the output is .parquet, .jsonl or .csv"):
         ray_job.run(str(source), str(tmp_path / "out.txt"))
-    with pytest.raises(DatasetError, match="no column 'text'"):
-        bad = tmp_path / "in.jsonl"
-        bad.write_text('{"body": "x"}\n', encoding="utf-8")
-        ray_job.run(str(bad), str(tmp_path / "out.parquet"))
+    with pytest.raises(DatasetError, match="missing.jsonl: No such file or directory"):
+        ray_job.run(str(tmp_path / "missing.jsonl"), str(tmp_path / "out.parquet"))
+    with pytest.raises(DatasetError, match="a .txt file is one text a line"):  # cells are checked on Ray
+        ray_job.run(str(source), str(tmp_path / "out.parquet"), read_opts=ray_job.ReadOptions(id_column="id"))
 
 
 def test_the_cli_sends_ray_jobs_to_ray(tmp_path, monkeypatch, capsys):

@@ -433,3 +433,56 @@ def test_a_long_batch_prompt_only_line_is_prefilled_in_chunks():
     whole = Scheduler(prefill_chunk_tokens=None, batch_step_tokens=128)
     whole.add(batch("long", 300, max_tokens=0))
     assert names(whole.schedule().score) == ["long"]
+
+
+# ---- interactive steps between the blocks of a batch pass ---------------------------------------
+
+
+def test_an_interleaving_runner_takes_longer_batch_passes_and_whole_scoring_lines():
+    """Where the runner stops between blocks for interactive steps, a batch prompt-only pass holds up to
+    `batch_pass_tokens` and a scoring line up to that long runs whole in one; a longer one, and a batch
+    prompt to generate from, are still prefilled in chunks of `batch_step_tokens`."""
+    scheduler = Scheduler(prefill_chunk_tokens=256, batch_step_tokens=128, batch_pass_tokens=512, interleaves=True)
+    for i in range(20):
+        scheduler.add(batch(f"b{i}", 30, max_tokens=0))
+    plan = scheduler.schedule()
+    assert names(plan.score) == [f"b{i}" for i in range(17)]  # 17 x 30 <= 512 < 18 x 30
+    run(scheduler, plan)
+    run(scheduler, scheduler.schedule())
+    scheduler.add(batch("scoring-400", 400, max_tokens=0))
+    plan = scheduler.schedule()
+    assert names(plan.score) == ["scoring-400"] and not plan.prefill
+    run(scheduler, plan)
+    scheduler.add(batch("scoring-600", 600, max_tokens=0))
+    scheduler.add(batch("generating-400", 400, max_tokens=4))
+    plan = scheduler.schedule()
+    assert not plan.score and chunks(plan) == [("scoring-600", 128)]
+
+
+def test_an_interactive_step_holds_interactive_groups_only():
+    """`schedule(interactive_only=True)` (run between a batch pass's blocks) plans the interactive
+    prompts and the interactive groups' decoding, never a batch group (waiting, prefilling or decoding)
+    nor a tree; a step with nothing interactive plans nothing. The next plain step has everyone."""
+    scheduler = Scheduler(prefill_chunk_tokens=32, batch_step_tokens=16, interleaves=True)
+    scheduler.add(batch("b-gen", 3, max_tokens=100))
+    run(scheduler, scheduler.schedule())  # b-gen decodes from now on
+    scheduler.add(batch("b-long", 64))
+    run(scheduler, scheduler.schedule())  # b-long is being prefilled
+    scheduler.add(batch("b-score", 10, max_tokens=0))
+    assert not scheduler.has_interactive_work and scheduler.schedule(interactive_only=True) is None
+    scheduler.add(group("i-gen", 40, max_tokens=3))
+    scheduler.add(group("i-score", 5, max_tokens=0))
+    assert scheduler.has_interactive_work
+    plan = scheduler.schedule(interactive_only=True)  # alone among interactive groups: its prompt whole
+    assert chunks(plan) == [("i-gen", 40)] and not plan.score and not plan.decode and not plan.trees
+    run(scheduler, plan)
+    plan = scheduler.schedule(interactive_only=True)
+    assert names(plan.score) == ["i-score"] and names(plan.decode) == ["i-gen"] and not plan.prefill
+    run(scheduler, plan)
+    while scheduler.has_interactive_work:
+        plan = scheduler.schedule(interactive_only=True)
+        assert all(not g.is_batch for g in plan.groups)
+        run(scheduler, plan)
+    assert scheduler.schedule(interactive_only=True) is None
+    plan = scheduler.schedule()  # the batch groups go on where they were
+    assert names(plan.decode) == ["b-gen"] and chunks(plan) == [("b-long", 16)]

@@ -103,6 +103,7 @@ class BatchRunner:
         self._loop_task: asyncio.Task | None = None
         self._writer_task: asyncio.Task | None = None
         self._swept = self._renewed = 0.0
+        self.num_rounds = 0  # rounds done: one that starts after a change has seen it (what tests wait on)
 
     # ---- life ----------------------------------------------------------------------------------------
 
@@ -138,6 +139,7 @@ class BatchRunner:
                 raise
             except Exception:
                 log.exception("batch runner: a round failed; trying again")
+            self.num_rounds += 1
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), 1.0)

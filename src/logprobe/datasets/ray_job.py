@@ -1,19 +1,19 @@
 """A dataset scored on a Ray cluster (`logprobe score --input F --output out.parquet --ray`): a Ray Data
-pipeline whose map stage is a pool of actors, each holding one engine (`InProcessScorer.from_model`).
+pipeline that reads the input on the cluster's workers, scores it on a pool of actors, each holding one
+engine (`InProcessScorer.from_model`), and writes Parquet parts that merge into the output.
 
-The driver reads and checks the input with the same code as the in-process job (io.read_rows: the same
-rows, ids and errors), orders the rows by context and length so that each batch is of like lengths,
-and hands them to Ray Data as blocks of `batch_rows` rows. A block is the unit of work and of retry:
-an actor that dies mid-batch is restarted by Ray and the block scored again (Ray Data gives its actors
-unlimited restarts and task retries), and a block's result reaches the driver once, whichever attempt
-produced it. The driver writes each block's result as it arrives into `<output>.parts/` with the
-in-process job's `Parts` (a part whole or absent, a manifest of input and options), so the same
-command again skips the rows already there, and at the end merges the parts in input order, each row
-once, checking that every row is there, into the output file as the in-process job does. Without
---ray-address a local Ray bound to 127.0.0.1 is started (cluster.local_ray_environment, as `logprobe
-serve --replicas` does).
+The input (a file, a directory or a glob of files) is read and checked by Ray Data's readers and Ray tasks
+(ray_input: the same rows, row indices, ids and error messages as the in-process job, the whole input
+never on the driver), and cut into chunks of like contexts and lengths, ordered within each input block.
+A chunk is the unit of work and of retry: an actor that dies mid-chunk is restarted by Ray and the chunk
+scored again (Ray Data gives its actors unlimited restarts and task retries), and a chunk's result
+reaches the driver once, whichever attempt produced it. The driver writes each result as it arrives into
+`<output>.parts/` with the in-process job's `Parts` (a part whole or absent, a manifest of input and
+options), so the same command again skips the rows already there (they are dropped before scoring, by
+their input index), and at the end merges the parts in input order, each row once, checking that every
+row is there, into the output file as the in-process job does. Without --ray-address a local Ray bound to
+127.0.0.1 is started (cluster.local_ray_environment, as `logprobe serve --replicas` does).
 """
-
 from __future__ import annotations
 
 import logging
@@ -22,10 +22,9 @@ from dataclasses import replace
 
 from . import columns, progress as progress_mod
 from .columns import ScoreOptions
-from .io import DatasetError, Row, format_of, read_rows, require_data_extra
-from .job import Parts, ReadOptions, manifest_of, write_table
-
-INDEX = "__row_index"  # the input position each block carries through the map stage
+from .io import DatasetError, Row, format_of, require_data_extra
+from .job import Parts, ReadOptions, fingerprint, write_table
+from .ray_input import INDEX, check_options, input_files, prepare
 
 
 class ScoreWorker:
@@ -60,22 +59,6 @@ def start_ray(address: str | None, workers: int) -> None:
         ray.init(num_cpus=max(os.cpu_count() or 1, workers), include_dashboard=False, logging_level=logging.WARNING)
 
 
-def input_blocks(rows: list[Row], batch_rows: int) -> list:
-    """The rows as Arrow tables of at most `batch_rows` rows, like contexts and lengths together (the
-    prefix cache keeps a shared context; a batch of like lengths pads little)."""
-    import pyarrow as pa
-
-    ordered = sorted(rows, key=lambda r: (r.context or "", len(r.text), r.index))
-    blocks = []
-    for start in range(0, len(ordered), batch_rows):
-        chunk = ordered[start:start + batch_rows]
-        blocks.append(pa.table({INDEX: pa.array([r.index for r in chunk], pa.int64()),
-                                "id": pa.array([r.id for r in chunk], pa.string()),
-                                "text": pa.array([r.text for r in chunk], pa.string()),
-                                "context": pa.array([r.context for r in chunk], pa.string())}))
-    return blocks
-
-
 def run(input_path: str, output_path: str, options: ScoreOptions = ScoreOptions(),
         read_opts: ReadOptions = ReadOptions(), *, model: str | None = None, dtype: str = "float32",
         device: str = "cpu", workers: int = 2, ray_address: str | None = None, batch_rows: int = 256,
@@ -94,35 +77,48 @@ def run(input_path: str, output_path: str, options: ScoreOptions = ScoreOptions(
         raise DatasetError(f"--workers must be at least 1, not {workers}")
     if batch_rows < 1:
         raise DatasetError(f"a batch must hold at least one row, not {batch_rows}")
-    rows = read_rows(input_path, read_opts.column, read_opts.context_column, read_opts.id_column)
-    if not rows:
-        write_table(columns.to_table([], options), output_path, out_format)
-        return 0
-    manifest = {**manifest_of(input_path, None, options, read_opts), "model": model, "dtype": dtype, "runner": "ray"}
+    out_dir = os.path.dirname(os.path.abspath(output_path))
+    if not os.path.isdir(out_dir):
+        raise DatasetError(f"cannot write {output_path}: no directory {out_dir}")
+    files, kind = input_files(input_path)
+    check_options(input_path, kind, read_opts)
+    manifest = {**manifest_of(input_path, files, options, read_opts), "model": model, "dtype": dtype}
     parts = Parts(output_path + ".parts", manifest)
     try:
         done = parts.open(resume)
-        pending = [r for r in rows if r.index not in done]
+        start_ray(ray_address, workers)
+        chunks, num_rows = prepare(input_path, files, kind, read_opts, done, batch_rows, workers)
+        if num_rows == 0:
+            write_table(columns.to_table([], options), output_path, out_format)
+            parts.remove()
+            return 0
         parts.create()
-        if pending:
-            start_ray(ray_address, workers)
-            bar = progress_mod.make(progress, len(rows), len(rows) - len(pending))
+        if chunks:
+            bar = progress_mod.make(progress, num_rows, len(done))
             try:
-                # fewer rows than workers x batch_rows: smaller blocks, so that every worker gets some
-                block_rows = max(1, min(batch_rows, -(-len(pending) // workers)))
-                score_blocks(input_blocks(pending, block_rows), options, model=model, dtype=dtype, device=device,
-                             workers=workers, on_result=_writer(parts, options, bar, len(rows), len(done), on_block))
+                score_blocks(chunks, options, model=model, dtype=dtype, device=device, workers=workers,
+                             on_result=_writer(parts, options, bar, num_rows, len(done), on_block))
             except DatasetError:  # a refused row: the job is refused as a whole, as in process
                 parts.remove()
                 raise
             finally:
                 bar.close()
-        table = parts.merged(len(rows))
+        table = parts.merged(num_rows)
         write_table(table, output_path, out_format)
         parts.remove()
         return table.num_rows
     finally:
         parts.release()
+
+
+def manifest_of(input_path: str, files: list[str], options: ScoreOptions, read_opts: ReadOptions) -> dict:
+    """What a set of parts was made from: each input file (path, size, a hash of its ends) and the options;
+    a resume must read the same input with the same options."""
+    import dataclasses
+
+    return {"input": os.path.abspath(input_path), "runner": "ray",
+            "files": [[os.path.abspath(f), os.path.getsize(f), fingerprint(f)] for f in files],
+            "options": dataclasses.asdict(options), "read": dataclasses.asdict(read_opts)}
 
 
 def _writer(parts: Parts, options: ScoreOptions, bar, total: int, done: int, on_block):
@@ -140,15 +136,16 @@ def _writer(parts: Parts, options: ScoreOptions, bar, total: int, done: int, on_
     return on_result
 
 
-def score_blocks(blocks: list, options: ScoreOptions, *, model, dtype, device, workers, on_result) -> None:
-    """Score the blocks on the pool; `on_result(block)` for each scored block as it comes."""
+def score_blocks(chunks: list, options: ScoreOptions, *, model, dtype, device, workers, on_result) -> None:
+    """Score the chunks (references to Arrow tables) on the pool; `on_result(block)` for each scored chunk
+    as it comes."""
     import ray.data
 
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False  # the job prints its own (rows and tokens, not Ray's operators)
     context.print_on_execution_start = False
     gpu = device.startswith("cuda")
-    dataset = ray.data.from_arrow(blocks).map_batches(
+    dataset = ray.data.from_arrow_refs(chunks).map_batches(
         ScoreWorker, fn_constructor_kwargs={"model": model, "dtype": dtype, "device": device,
                                             "options": replace(options, skip_invalid=True)},
         batch_size=None, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=workers),

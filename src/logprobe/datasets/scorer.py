@@ -19,6 +19,13 @@ from .remote import RemoteScorer  # noqa: F401  (scorer.RemoteScorer is part of 
 
 __all__ = ["ScoreOptions", "InProcessScorer", "RemoteScorer", "Prepared"]
 
+# Rows one prompt-only pass of an engine of its own may hold (the scheduler's `max_score_batch`; its
+# padded-token budget, `score_batch_tokens`, still bounds the pass). The engine's default of 64 suits a
+# server, where a pass holds an interactive request's step; a job's short rows (3 to 8 tokens) in passes
+# of 64 make products of 192 to 512 rows, where a CPU's matrix products run below their rate at 1,024
+# rows and more, and every pass pays its fixed work again (benchmarks/prompt_passes.py measures both).
+PASS_ROWS = 1024
+
 
 @dataclass
 class Prepared:
@@ -57,6 +64,7 @@ class InProcessScorer:
 
         source = loader.resolve_source(model)
         engine = Engine.from_settings(Settings(model=model, dtype=dtype, device=device), source, source.aliases)
+        engine.scheduler.max_score_batch = PASS_ROWS  # no interactive request shares this engine
         engine.start()
         scorer = cls(engine, options)
         scorer._owns_engine = True

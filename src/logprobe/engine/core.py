@@ -41,8 +41,10 @@ class EngineCore:
         self.runner = runner
         self.info = info
         self.table = table
-        # a runner that prefills in chunks says how many tokens it takes per step beside decoding rows
-        self.scheduler = Scheduler(prefill_chunk_tokens=getattr(runner, "PREFILL_CHUNK", None))
+        # a runner that prefills in chunks says how many tokens it takes per step beside decoding rows; one
+        # that can stop between its blocks (`interleaved`) lets interactive steps into a batch pass
+        self.scheduler = Scheduler(prefill_chunk_tokens=getattr(runner, "PREFILL_CHUNK", None),
+                                   interleaves=hasattr(runner, "interleaved"))
         self.outputs = OutputProcessor(info.context_length)
         self._inbox: queue.SimpleQueue[SequenceGroup | None] = queue.SimpleQueue()
         self._stopping = False
@@ -90,13 +92,16 @@ class EngineCore:
                 continue
             self._linger()
             plan = self.scheduler.schedule()
-            for group in self.scheduler.take_dropped():  # aborted: whoever awaits them learns it
-                self.runner.release(group)
-                if group.error is None:
-                    group.error = RequestAborted(group.request_id)
-                self._finish(group)
+            self._finish_dropped()
             if plan is not None:
                 self._run_step(plan)
+
+    def _finish_dropped(self) -> None:
+        for group in self.scheduler.take_dropped():  # aborted: whoever awaits them learns it
+            self.runner.release(group)
+            if group.error is None:
+                group.error = RequestAborted(group.request_id)
+            self._finish(group)
 
     def _run_step(self, plan: Plan) -> None:
         num_rows, t0 = plan.num_rows, time.perf_counter()
@@ -267,10 +272,32 @@ class EngineCore:
         self._after_step(group)
 
     def _score(self, groups: list[SequenceGroup]) -> None:
-        self.runner.prefill_batch(groups)
+        if groups[0].is_batch and self.scheduler.interleaves:
+            with self.runner.interleaved(self._interactive_step):
+                self.runner.prefill_batch(groups)
+        else:
+            self.runner.prefill_batch(groups)
         for group in groups:
             self.outputs.finish_prompt_only(group)
             self._each(group, self._after_step)
+
+    def _interactive_step(self) -> None:
+        """Between two blocks of a batch pass (and before each chunk of its head): a step of the
+        interactive groups, when there are any (new requests are taken from the inbox first). An
+        interactive request thus waits for a block of batch work, not for the pass; while interactive
+        groups decode, the pass advances a block per step of theirs. The step is a whole one (its own
+        passes; failures handled as any step's), with no batch group in it, and never itself interleaved."""
+        self._drain_inbox(block=False)
+        if not self.scheduler.has_interactive_work:
+            return
+        self.runner.between_blocks = None
+        try:
+            plan = self.scheduler.schedule(interactive_only=True)
+            self._finish_dropped()
+            if plan is not None:
+                self._run_step(plan)
+        finally:
+            self.runner.between_blocks = self._interactive_step
 
     def _grow_tree(self, tree) -> None:
         grow_tree(self.runner, tree, self.new_grammar_state)

@@ -43,6 +43,7 @@ class PromptColumnWriter:
     def __init__(self, logprobs_of: Callable[[torch.Tensor], torch.Tensor], vocab_size: int):
         self.logprobs_of = logprobs_of
         self.vocab_size = vocab_size
+        self.chunk_positions = max(1, min(POSITION_CHUNK, CHUNK_ENTRIES // vocab_size))  # positions a head run takes
 
     def new(self, num: int, params: SamplingParams) -> PromptColumns:
         """Empty columns for a prompt of `num` tokens, as wide as the request asks."""
@@ -66,7 +67,7 @@ class PromptColumnWriter:
         distribution at position i predicts the prompt token at i + 1."""
         num, k = ids.shape[0], cols.top_ids.shape[1]
         last = min(first + hidden.shape[0], num - 1)  # the state at the final position predicts no prompt token
-        chunk = max(1, min(POSITION_CHUNK, CHUNK_ENTRIES // self.vocab_size))
+        chunk = self.chunk_positions
         for start in range(first, last, chunk):
             stop = min(start + chunk, last)
             logprobs = self.logprobs_of(hidden[start - first:stop - first])  # [C, V]

@@ -18,8 +18,12 @@ prompts set aside do not fill `max_prefilling` or `prefill_tokens` for them). Ba
 arriving finds a slot at once); past that, the next free slot goes to the interactive group. When
 nothing interactive waits, batch groups fill the machine up to their slots.
 Batch work is also cut small: a step gives batch groups at most `batch_step_tokens` prompt tokens
-(a prompt-only pass of lines, or prefill chunks; a longer scoring line is prefilled in chunks), so an
-interactive request arriving mid-step waits for that much work at most, not a 4,096-token pass.
+of prefill chunks, so an interactive request arriving mid-step waits for that much work at most. A
+batch prompt-only pass (scoring lines) is longer, up to `batch_pass_tokens`, where the runner can stop
+between its blocks (`interleaves`, the lean runner): the engine serves interactive steps there
+(`schedule(interactive_only=True)`, core.py), so such a pass delays an interactive request by a block,
+not by the pass. Where it cannot, a batch prompt-only pass holds `batch_step_tokens` at most, and a
+longer scoring line is prefilled in chunks.
 
 The scheduler keeps how many prompt tokens of each group have been computed
 (`SequenceGroup.num_computed_tokens`), counting a chunk as done when it plans it: a step that fails
@@ -67,7 +71,8 @@ class Scheduler:
     def __init__(self, max_running: int = 64, score_batch_tokens: int = 4096, max_score_batch: int = 64,
                  score_batch_tokens_decoding: int = 512, prefill_tokens: int = 2048, max_prefilling: int = 32,
                  prefill_chunk_tokens: int | None = None, packed_prefill_tokens: int = 2048,
-                 linger_s: float = 0.02, batch_step_tokens: int = 128):
+                 linger_s: float = 0.02, batch_step_tokens: int = 128, batch_pass_tokens: int = 1024,
+                 interleaves: bool = False):
         self.max_running = max_running  # groups decoding (or prefilling) at once
         self.score_batch_tokens = score_batch_tokens  # padded tokens in one batched prompt-only pass
         self.score_batch_tokens_decoding = score_batch_tokens_decoding  # the same, while others decode
@@ -84,6 +89,11 @@ class Scheduler:
         # runner chunks): an interactive request that arrives mid-step waits for at most that much work.
         # A batch prompt-only group longer than this goes through chunked prefill instead.
         self.batch_step_tokens = batch_step_tokens
+        # Padded tokens of a batch prompt-only pass where the runner stops between blocks for interactive
+        # steps (`interleaves`): a longer pass costs an arriving request nothing more, and runs the
+        # products at a better size (benchmarks/batch.py).
+        self.interleaves = interleaves
+        self.batch_pass_tokens = batch_pass_tokens
         self.waiting: deque[SequenceGroup] = deque()
         self.prefilling: list[SequenceGroup] = []
         self.running: list[SequenceGroup] = []
@@ -113,6 +123,11 @@ class Scheduler:
         return bool(self.waiting) and not self.waiting[0].is_batch
 
     @property
+    def has_interactive_work(self) -> bool:
+        """Whether an interactive group waits, is being prefilled or decodes (what an interactive step runs)."""
+        return self.is_interactive_waiting or any(not g.is_batch for g in [*self.prefilling, *self.running])
+
+    @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.prefilling or self.trees)
 
@@ -120,44 +135,56 @@ class Scheduler:
     def num_in_flight(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.prefilling) + len(self.trees)
 
-    def schedule(self) -> Plan | None:
+    def schedule(self, interactive_only: bool = False) -> Plan | None:
         """The next step's work, or None when idle: a batch of prompt-only groups (when one is first in
         line), a chunk of each prompt being prefilled (new ones join while their tokens fit
         `prefill_tokens`), and one decode step of every running group. Aborted groups are dropped first,
-        before they cost a forward pass (`take_dropped` hands them over)."""
+        before they cost a forward pass (`take_dropped` hands them over). `interactive_only`: a step of
+        interactive groups alone (no batch group, no tree), run between the blocks of a batch pass."""
         self._drop_aborted()
         interactive_waited = self.is_interactive_waiting  # then no batch group takes new budget this step
-        score = self._take_prompt_only() if self._prompt_only_first() else []
-        self._admit_to_prefill(interactive_waited)
-        if not (score or self.prefilling or self.running or self.trees):
+        score = self._take_prompt_only() if self._prompt_only_first(interactive_only) else []
+        self._admit_to_prefill(interactive_waited or interactive_only)
+        prefilling, running = self.prefilling, self.running
+        if interactive_only:
+            prefilling = [g for g in prefilling if not g.is_batch]
+            running = [g for g in running if not g.is_batch]
+        trees = [] if interactive_only else list(self.trees)
+        if not (score or prefilling or running or trees):
             return None
         # a step with an interactive prompt in it gives batch prompts no chunk: that step stays short
-        interactive_prompt = any(not g.is_batch for g in [*score, *self.prefilling])
-        prefilling = [g for g in self.prefilling if not (interactive_prompt and g.is_batch)]
-        plan = Plan(score=score, prefill=self._chunks(prefilling, decoding=bool(self.running)),
-                    decode=list(self.running), trees=list(self.trees))
+        interactive_prompt = any(not g.is_batch for g in [*score, *prefilling])
+        prefilling = [g for g in prefilling if not (interactive_prompt and g.is_batch)]
+        plan = Plan(score=score, prefill=self._chunks(prefilling, decoding=bool(running)),
+                    decode=list(running), trees=trees)
         if score and not (plan.prefill or plan.decode or score[0].is_batch):
             self.last_prompt_only = len(score)
         return plan
 
-    def _prompt_only_first(self) -> bool:
-        return bool(self.waiting) and self.waiting[0].params.max_tokens == 0 and not self._chunked_batch(self.waiting[0])
+    def _prompt_only_first(self, interactive_only: bool = False) -> bool:
+        if not self.waiting or (interactive_only and self.waiting[0].is_batch):
+            return False
+        return self.waiting[0].params.max_tokens == 0 and not self._chunked_batch(self.waiting[0])
 
     def _chunked_batch(self, group: SequenceGroup) -> bool:
         """A batch group whose prompt is longer than one step's batch work is prefilled in chunks (when the
-        runner chunks), a prompt-only one too: in one padded pass it would hold the step that long."""
-        return (group.is_batch and self.prefill_chunk_tokens is not None
-                and group.num_prompt_tokens > self.batch_step_tokens)
+        runner chunks), a prompt-only one too unless the runner interleaves: in one padded pass it would
+        hold the step that long."""
+        if not group.is_batch or self.prefill_chunk_tokens is None:
+            return False
+        limit = self.batch_pass_tokens if self.interleaves and group.params.max_tokens == 0 else self.batch_step_tokens
+        return group.num_prompt_tokens > limit
 
-    def _admit_to_prefill(self, interactive_waited: bool) -> None:
+    def _admit_to_prefill(self, no_batch: bool) -> None:
         """Move waiting groups, in order, to prefilling while there is a slot (`max_running`, or
         `max_batch_running` for a batch group), `max_prefilling` allows and the prompt tokens still to
         prefill stay under `prefill_tokens`: counted over the interactive groups for an interactive one,
-        over all for a batch one. No batch group in a step that began with an interactive group waiting."""
+        over all for a batch one. No batch group with `no_batch` (a step that began with an interactive
+        group waiting, or an interactive step)."""
         while self.waiting and not self._prompt_only_first():
             group = self.waiting[0]
             slots = self.max_batch_running if group.is_batch else self.max_running
-            if len(self.running) + len(self.prefilling) >= slots or (group.is_batch and interactive_waited):
+            if len(self.running) + len(self.prefilling) >= slots or (group.is_batch and no_batch):
                 return
             ahead = [g for g in self.prefilling if group.is_batch or not g.is_batch]
             pending = sum(g.num_prompt_tokens - g.num_computed_tokens for g in ahead)
@@ -173,7 +200,7 @@ class Scheduler:
         longest = batch[0].num_prompt_tokens
         budget = self.score_batch_tokens_decoding if self.running else self.score_batch_tokens
         if batch[0].is_batch:
-            budget = min(budget, self.batch_step_tokens)
+            budget = min(budget, self.batch_pass_tokens if self.interleaves else self.batch_step_tokens)
         while self._prompt_only_first() and len(batch) < self.max_score_batch:
             nxt = self.waiting[0]
             if nxt.is_batch != batch[0].is_batch:

@@ -5,6 +5,7 @@ bookkeeping the engine's step loop calls."""
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -79,6 +80,10 @@ class LeanRunner:
         # bounded by bytes, kept when idle, 0 turns it off.
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self.prompt_batches = PromptBatches(self)
+        # Set during a batch prompt-only pass (`interleaved`): called after each block and before each chunk
+        # of the head, where the engine may run a step of interactive requests (core.py). Such a step
+        # runs passes of its own; the paused pass keeps its activations and needs no shared state.
+        self.between_blocks = None
 
     # ---- one pass of the blocks ------------------------------------------------------------
     def forward(self, ids: torch.Tensor, meta: PassMeta, capture=None, edit=None) -> torch.Tensor:
@@ -120,6 +125,8 @@ class LeanRunner:
                 x = edit(layer + 1, x.view(b, t, -1), positions).reshape(b * t, -1)
             if capture is not None:
                 capture(layer + 1, x.view(b, t, -1))
+            if self.between_blocks is not None:
+                self.between_blocks()
         return self.final_norm(x).view(b, t, -1)
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> dict:
@@ -135,6 +142,8 @@ class LeanRunner:
 
     def logprobs_of(self, hidden: torch.Tensor) -> torch.Tensor:
         """Raw next-token log probabilities, float32, for final-norm hidden states [..., D]."""
+        if self.between_blocks is not None:
+            self.between_blocks()
         logits = self.head(hidden).float()
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
@@ -145,6 +154,22 @@ class LeanRunner:
 
     def head_dtype(self) -> torch.dtype:
         return self.dtype
+
+    INTERLEAVED_HEAD_POSITIONS = 64  # positions a head run takes in a batch pass: a run is as short as a block
+
+    @contextmanager
+    def interleaved(self, step):
+        """Within the block, the passes call `step()` after each block and before each head run, and the
+        head runs over fewer positions at a time (~30 ms in float32 on two cores, against ~130 ms at
+        256), so that a step waits for little batch work however long the pass."""
+        chunk = self.columns.chunk_positions
+        self.between_blocks = step
+        self.columns.chunk_positions = min(chunk, self.INTERLEAVED_HEAD_POSITIONS)
+        try:
+            yield
+        finally:
+            self.between_blocks = None
+            self.columns.chunk_positions = chunk
 
     # ---- activations ---------------------------------------------------------------------------
     @torch.inference_mode()

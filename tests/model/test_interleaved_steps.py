@@ -1,0 +1,189 @@
+"""Interactive steps between the blocks of a batch pass (engine/core.py `_interactive_step`), on the
+real engine and the tiny random model: an interactive request that arrives while a pass of batch
+scoring lines runs has its prompt run, and its first token picked, at the next block, before that pass
+ends; the batch lines get the same numbers as the same pass without interruption, and the interactive
+requests the same as alone (bit for bit), and all the float64 reference's within the usual tolerance.
+The engine thread is held at the first block while the test queues the interactive requests, and the
+batch lines reach the scheduler together: nothing depends on how fast either side runs."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+
+from logprobe.engine.engine import Engine
+from logprobe.engine.request import SamplingParams, SequenceGroup
+
+PATIENCE_S = 600  # bounds a hang only
+TOL = 1e-5
+
+
+def make(engine, text: str, priority: str = "interactive", **params) -> SequenceGroup:
+    group = SequenceGroup(f"{priority}-{text[:12]}", engine.tokenizer(text).input_ids, SamplingParams(**params),
+                          engine.table)
+    group.priority = priority
+    return group
+
+
+def batch_lines(engine) -> list[SequenceGroup]:
+    texts = [f"Batch line {i} " + "with more words " * (i % 5) for i in range(8)]
+    return [make(engine, t, "batch", max_tokens=0, echo=True, logprobs=2) for t in texts]
+
+
+def interactive_requests(engine) -> list[SequenceGroup]:
+    return [make(engine, "An interactive text to score", max_tokens=0, prompt_logprobs=2),
+            make(engine, "An interactive question about rivers", max_tokens=5, temperature=0, logprobs=3)]
+
+
+@pytest.fixture
+def engine(tiny_model, tokenizer):
+    engine = Engine(tiny_model, tokenizer, "test/tiny-llama", ["tiny"])
+    engine.start()
+    yield engine
+    engine.stop()
+
+
+@contextmanager
+def gathered(engine):
+    """Groups submitted inside the block reach the scheduler together when it is left (the engine
+    thread waits before it next takes from its inbox), so the passes they share are always the same."""
+    at_gate, gate_open = threading.Event(), threading.Event()
+    original = engine._drain_inbox
+
+    def drain(block: bool) -> None:
+        at_gate.set()
+        assert gate_open.wait(PATIENCE_S)
+        original(block)
+
+    engine._drain_inbox = drain
+    assert at_gate.wait(PATIENCE_S)
+    try:
+        yield
+    finally:
+        del engine._drain_inbox
+        gate_open.set()
+
+
+def copies(groups: list[SequenceGroup], table) -> list[SequenceGroup]:
+    made = [SequenceGroup(g.request_id, g.prompt_ids, g.params, table) for g in groups]
+    for new, old in zip(made, groups):
+        new.priority = old.priority
+    return made
+
+
+def numbers(group: SequenceGroup) -> dict:
+    cols = group.prompt_columns
+    out = {"prompt": None if cols is None else (cols.logprobs.tobytes(), cols.ranks.tobytes(),
+                                               cols.top_ids.tobytes(), cols.top_logprobs.tobytes())}
+    out["tokens"] = [list(s.token_ids) for s in group.sequences]
+    out["logprobs"] = [np.asarray(s.logprobs, dtype=np.float32).tobytes() for s in group.sequences]
+    return out
+
+
+def test_an_interactive_request_runs_at_the_next_block_of_a_batch_pass(engine, reference):
+    assert engine.scheduler.interleaves
+    lines, asked = batch_lines(engine), interactive_requests(engine)
+    in_pass, queued = threading.Event(), threading.Event()
+    seen = []  # at each block boundary of the batch pass, after the interactive step (if any)
+    original = engine._interactive_step
+
+    def at_block() -> None:
+        if not in_pass.is_set():
+            in_pass.set()  # the batch pass has begun: hold it until the interactive requests are queued
+            assert queued.wait(PATIENCE_S)
+        steps = engine.num_steps
+        original()
+        seen.append({"steps": engine.num_steps - steps, "asked_done": [g.is_finished for g in asked],
+                     "tokens": len(asked[1].sequences[0].token_ids),
+                     "lines_done": sum(g.is_finished for g in lines)})
+
+    engine._interactive_step = at_block
+
+    async def main():
+        with gathered(engine):
+            batch_done = engine.submit(lines)
+        await asyncio.get_running_loop().run_in_executor(None, in_pass.wait, PATIENCE_S)
+        asked_done = engine.submit(asked)
+        queued.set()
+        await asyncio.gather(*asked_done, *batch_done)
+
+    asyncio.run(main())
+    del engine._interactive_step
+    assert in_pass.is_set() and seen
+    first = seen[0]
+    # at the first block: one interactive step ran both prompts, the scoring request is answered and the
+    # generating one has its first token, while no batch line of the pass is done yet
+    assert first["steps"] == 1 and first["asked_done"][0] and first["tokens"] == 1 and first["lines_done"] == 0
+    assert all(s["steps"] == 1 for s in seen if not all(s["asked_done"]))  # one step a block while they run
+    assert all(g.error is None for g in lines + asked)
+
+    # the batch lines' numbers are those of the same pass uninterrupted, the interactive requests' those
+    # they get alone, bit for bit; and all are the float64 reference's
+    assert_as_uninterrupted(engine, lines)
+    for group in asked:
+        alone, = copies([group], engine.table)
+        asyncio.run(engine.run_groups([alone]))
+        assert numbers(alone) == numbers(group), group.request_id
+    for group in [*lines, asked[0]]:
+        ref = reference.logprobs(group.prompt_ids).numpy()
+        want = [ref[i - 1][group.prompt_ids[i]] for i in range(1, len(group.prompt_ids))]
+        np.testing.assert_allclose(group.prompt_columns.logprobs[1:], want, atol=TOL)
+    seq = asked[1].sequences[0]
+    ref = reference.logprobs(asked[1].prompt_ids + seq.token_ids).numpy()
+    start = len(asked[1].prompt_ids) - 1
+    assert seq.token_ids == [int(np.argmax(ref[start + i])) for i in range(len(seq.token_ids))]
+    np.testing.assert_allclose(seq.logprobs, [ref[start + i][t] for i, t in enumerate(seq.token_ids)], atol=TOL)
+
+
+def test_an_interactive_step_that_fails_leaves_the_batch_pass_whole(engine, monkeypatch):
+    """A failure in an interactive step between blocks fails that step's requests (as any step's
+    failure does); the batch pass it interrupted goes on, and its lines are answered as alone."""
+    lines, asked = batch_lines(engine), interactive_requests(engine)[1:]
+    in_pass, queued = threading.Event(), threading.Event()
+    original_step, original_at_block = engine.step, engine._interactive_step
+
+    def failing_step(plan):
+        if any(g in asked for g in plan.groups):
+            raise RuntimeError("injected failure of an interactive step")
+        return original_step(plan)
+
+    def at_block() -> None:
+        if not in_pass.is_set():
+            in_pass.set()
+            assert queued.wait(PATIENCE_S)
+        original_at_block()
+
+    monkeypatch.setattr(engine, "step", failing_step)
+    monkeypatch.setattr(engine, "_interactive_step", at_block)
+
+    async def main():
+        with gathered(engine):
+            batch_done = engine.submit(lines)
+        await asyncio.get_running_loop().run_in_executor(None, in_pass.wait, PATIENCE_S)
+        asked_done = engine.submit(asked)
+        queued.set()
+        await asyncio.gather(*asked_done, *batch_done, return_exceptions=True)
+
+    asyncio.run(main())
+    monkeypatch.undo()
+    assert isinstance(asked[0].error, RuntimeError)
+    assert all(g.error is None and g.is_finished for g in lines)
+    assert_as_uninterrupted(engine, lines)
+
+
+def assert_as_uninterrupted(engine, lines: list[SequenceGroup]) -> None:
+    again = copies(lines, engine.table)
+    engine.runner.prefix_cache.clear()  # the first run kept the lines' blocks: the same pass, from nothing
+
+    async def main():
+        with gathered(engine):
+            done = engine.submit(again)
+        await asyncio.gather(*done)
+
+    asyncio.run(main())
+    for group, uninterrupted in zip(lines, again):
+        assert numbers(uninterrupted) == numbers(group), group.request_id
