@@ -84,36 +84,58 @@ def numbers(group: SequenceGroup) -> dict:
     return out
 
 
+class FirstBlock:
+    """Stands in for the engine's `_interactive_step` (what a batch pass calls at each block): holds the
+    engine at the first block of a batch pass until `run` has queued the interactive requests, then
+    lets each call through, `after(steps)` (if given) seeing the state after it and how many steps it ran."""
+
+    def __init__(self, engine, after=None):
+        self.engine, self.after = engine, after
+        self.original = engine._interactive_step
+        self.in_pass, self.queued = threading.Event(), threading.Event()
+
+    def __call__(self) -> None:
+        if not self.in_pass.is_set():
+            self.in_pass.set()  # the batch pass has begun: hold it until the interactive requests are queued
+            assert self.queued.wait(PATIENCE_S)
+        before = self.engine.num_steps
+        self.original()
+        if self.after is not None:
+            self.after(self.engine.num_steps - before)
+
+    def run(self, batch_groups: list[SequenceGroup], asked: list[SequenceGroup], **gather) -> None:
+        """Queue the batch groups together, then the interactive ones once the first block is reached;
+        wait for all of them (`gather`: asyncio.gather's options)."""
+        engine = self.engine
+
+        async def main():
+            with gathered(engine):
+                batch_done = engine.submit(batch_groups)
+            await asyncio.get_running_loop().run_in_executor(None, self.in_pass.wait, PATIENCE_S)
+            asked_done = engine.submit(asked)
+            self.queued.set()
+            await asyncio.gather(*asked_done, *batch_done, **gather)
+
+        engine._interactive_step = self
+        try:
+            asyncio.run(main())
+        finally:
+            del engine._interactive_step
+        assert self.in_pass.is_set()
+
+
 def test_an_interactive_request_runs_at_the_next_block_of_a_batch_pass(engine, reference):
     assert engine.scheduler.interleaves
     lines, asked = batch_lines(engine), interactive_requests(engine)
-    in_pass, queued = threading.Event(), threading.Event()
     seen = []  # at each block boundary of the batch pass, after the interactive step (if any)
-    original = engine._interactive_step
 
-    def at_block() -> None:
-        if not in_pass.is_set():
-            in_pass.set()  # the batch pass has begun: hold it until the interactive requests are queued
-            assert queued.wait(PATIENCE_S)
-        steps = engine.num_steps
-        original()
-        seen.append({"steps": engine.num_steps - steps, "asked_done": [g.is_finished for g in asked],
+    def after(steps: int) -> None:
+        seen.append({"steps": steps, "asked_done": [g.is_finished for g in asked],
                      "tokens": len(asked[1].sequences[0].token_ids),
                      "lines_done": sum(g.is_finished for g in lines)})
 
-    engine._interactive_step = at_block
-
-    async def main():
-        with gathered(engine):
-            batch_done = engine.submit(lines)
-        await asyncio.get_running_loop().run_in_executor(None, in_pass.wait, PATIENCE_S)
-        asked_done = engine.submit(asked)
-        queued.set()
-        await asyncio.gather(*asked_done, *batch_done)
-
-    asyncio.run(main())
-    del engine._interactive_step
-    assert in_pass.is_set() and seen
+    FirstBlock(engine, after).run(lines, asked)
+    assert seen
     first = seen[0]
     # at the first block: one interactive step ran both prompts, the scoring request is answered and the
     # generating one has its first token, while no batch line of the pass is done yet
@@ -143,32 +165,15 @@ def test_an_interactive_step_that_fails_leaves_the_batch_pass_whole(engine, monk
     """A failure in an interactive step between blocks fails that step's requests (as any step's
     failure does); the batch pass it interrupted goes on, and its lines are answered as alone."""
     lines, asked = batch_lines(engine), interactive_requests(engine)[1:]
-    in_pass, queued = threading.Event(), threading.Event()
-    original_step, original_at_block = engine.step, engine._interactive_step
+    original_step = engine.step
 
     def failing_step(plan):
         if any(g in asked for g in plan.groups):
             raise RuntimeError("injected failure of an interactive step")
         return original_step(plan)
 
-    def at_block() -> None:
-        if not in_pass.is_set():
-            in_pass.set()
-            assert queued.wait(PATIENCE_S)
-        original_at_block()
-
     monkeypatch.setattr(engine, "step", failing_step)
-    monkeypatch.setattr(engine, "_interactive_step", at_block)
-
-    async def main():
-        with gathered(engine):
-            batch_done = engine.submit(lines)
-        await asyncio.get_running_loop().run_in_executor(None, in_pass.wait, PATIENCE_S)
-        asked_done = engine.submit(asked)
-        queued.set()
-        await asyncio.gather(*asked_done, *batch_done, return_exceptions=True)
-
-    asyncio.run(main())
+    FirstBlock(engine).run(lines, asked, return_exceptions=True)
     monkeypatch.undo()
     assert isinstance(asked[0].error, RuntimeError)
     assert all(g.error is None and g.is_finished for g in lines)
@@ -187,3 +192,36 @@ def assert_as_uninterrupted(engine, lines: list[SequenceGroup]) -> None:
     asyncio.run(main())
     for group, uninterrupted in zip(lines, again):
         assert numbers(uninterrupted) == numbers(group), group.request_id
+
+
+def test_batch_lines_that_decode_go_on_in_the_interactive_steps(engine, reference):
+    """Batch lines generating when a pass of batch scoring lines begins: an interactive step between the
+    pass's blocks decodes them beside the interactive request (a decode pass takes every row of the KV
+    cache), and every line ends with the float64 reference's greedy tokens and log probabilities."""
+    generating = [make(engine, f"Batch generation {i}", "batch", max_tokens=6, temperature=0, logprobs=2)
+                  for i in range(3)]
+    lines, asked = batch_lines(engine), interactive_requests(engine)[1:]
+    decoded_inside = []  # per interactive step: the batch rows it decoded
+    holder = FirstBlock(engine)
+    original_step = engine.step
+
+    def step(plan):
+        if holder.in_pass.is_set() and any(g in asked for g in plan.groups):
+            decoded_inside.append(sum(g in generating for g in plan.decode))
+        return original_step(plan)
+
+    engine.step = step
+    try:
+        holder.run(generating + lines, asked)
+    finally:
+        del engine.step
+    assert all(g.error is None and g.is_finished for g in generating + lines + asked)
+    assert any(decoded_inside)  # an interactive step decoded batch rows beside the interactive one
+    for group in generating + asked:
+        seq = group.sequences[0]
+        ref = reference.logprobs(group.prompt_ids + seq.token_ids).numpy()
+        start = len(group.prompt_ids) - 1
+        assert seq.token_ids == [int(np.argmax(ref[start + i])) for i in range(len(seq.token_ids))]
+        np.testing.assert_allclose(seq.logprobs, [ref[start + i][t] for i, t in enumerate(seq.token_ids)],
+                                   atol=TOL)
+    assert_as_uninterrupted(engine, lines)

@@ -459,10 +459,11 @@ def test_an_interleaving_runner_takes_longer_batch_passes_and_whole_scoring_line
     assert not plan.score and chunks(plan) == [("scoring-600", 128)]
 
 
-def test_an_interactive_step_holds_interactive_groups_only():
+def test_an_interactive_step_holds_interactive_prompts_and_every_decoding_row():
     """`schedule(interactive_only=True)` (run between a batch pass's blocks) plans the interactive
-    prompts and the interactive groups' decoding, never a batch group (waiting, prefilling or decoding)
-    nor a tree; a step with nothing interactive plans nothing. The next plain step has everyone."""
+    prompts, never a batch prompt (waiting or being prefilled) nor a tree; running batch groups decode
+    beside the interactive ones (a decode pass takes every row of the KV cache), and with no interactive
+    group at work it plans nothing, not even the batch groups' decoding. The next plain step has everyone."""
     scheduler = Scheduler(prefill_chunk_tokens=32, batch_step_tokens=16, interleaves=True)
     scheduler.add(batch("b-gen", 3, max_tokens=100))
     run(scheduler, scheduler.schedule())  # b-gen decodes from now on
@@ -473,16 +474,20 @@ def test_an_interactive_step_holds_interactive_groups_only():
     scheduler.add(group("i-gen", 40, max_tokens=3))
     scheduler.add(group("i-score", 5, max_tokens=0))
     assert scheduler.has_interactive_work
-    plan = scheduler.schedule(interactive_only=True)  # alone among interactive groups: its prompt whole
-    assert chunks(plan) == [("i-gen", 40)] and not plan.score and not plan.decode and not plan.trees
+    plan = scheduler.schedule(interactive_only=True)  # i-gen's prompt in chunks: b-gen decodes beside it
+    assert chunks(plan) == [("i-gen", 32)] and not plan.score and names(plan.decode) == ["b-gen"] and not plan.trees
     run(scheduler, plan)
     plan = scheduler.schedule(interactive_only=True)
-    assert names(plan.score) == ["i-score"] and names(plan.decode) == ["i-gen"] and not plan.prefill
+    assert chunks(plan) == [("i-gen", 8)] and names(plan.score) == ["i-score"] and names(plan.decode) == ["b-gen"]
+    run(scheduler, plan)
+    plan = scheduler.schedule(interactive_only=True)
+    assert names(plan.decode) == ["b-gen", "i-gen"] and not plan.prefill and not plan.score
     run(scheduler, plan)
     while scheduler.has_interactive_work:
         plan = scheduler.schedule(interactive_only=True)
-        assert all(not g.is_batch for g in plan.groups)
+        assert not any(g.is_batch for g in plan.score + [c.group for c in plan.prefill])
+        assert any(not g.is_batch for g in plan.decode)
         run(scheduler, plan)
-    assert scheduler.schedule(interactive_only=True) is None
+    assert scheduler.schedule(interactive_only=True) is None  # b-gen still decodes, but only in plain steps
     plan = scheduler.schedule()  # the batch groups go on where they were
     assert names(plan.decode) == ["b-gen"] and chunks(plan) == [("b-long", 16)]

@@ -286,7 +286,8 @@ class EngineCore:
         interactive groups, when there are any (new requests are taken from the inbox first). An
         interactive request thus waits for a block of batch work, not for the pass; while interactive
         groups decode, the pass advances a block per step of theirs. The step is a whole one (its own
-        passes; failures handled as any step's), with no batch group in it, and never itself interleaved."""
+        passes; failures handled as any step's), with no batch prompt in it (running batch rows decode
+        in its decode pass, which takes every row of the KV cache), and never itself interleaved."""
         self._drain_inbox(block=False)
         if not self.scheduler.has_interactive_work:
             return

@@ -139,16 +139,20 @@ class Scheduler:
         """The next step's work, or None when idle: a batch of prompt-only groups (when one is first in
         line), a chunk of each prompt being prefilled (new ones join while their tokens fit
         `prefill_tokens`), and one decode step of every running group. Aborted groups are dropped first,
-        before they cost a forward pass (`take_dropped` hands them over). `interactive_only`: a step of
-        interactive groups alone (no batch group, no tree), run between the blocks of a batch pass."""
+        before they cost a forward pass (`take_dropped` hands them over). `interactive_only`: a step for
+        the interactive groups, run between the blocks of a batch pass: no batch prompt and no tree in it
+        (running batch groups decode beside them: a decode pass takes every row of the KV cache), and
+        None when no interactive group has work."""
         self._drop_aborted()
         interactive_waited = self.is_interactive_waiting  # then no batch group takes new budget this step
         score = self._take_prompt_only() if self._prompt_only_first(interactive_only) else []
         self._admit_to_prefill(interactive_waited or interactive_only)
         prefilling, running = self.prefilling, self.running
         if interactive_only:
+            # Batch rows that decode stay in the step: a decode pass runs every row the KV cache holds.
             prefilling = [g for g in prefilling if not g.is_batch]
-            running = [g for g in running if not g.is_batch]
+            if not (score or prefilling or any(not g.is_batch for g in running)):
+                return None
         trees = [] if interactive_only else list(self.trees)
         if not (score or prefilling or running or trees):
             return None
