@@ -38,19 +38,6 @@ PROMPTS = ["The history of the city goes back to", "Scientists measured the temp
            "She opened the old book and found", "Most of the birds leave the island before"]
 
 
-def proxy_pids(session_pids: list[int]) -> list[int]:
-    """The Serve proxy processes among a server's session."""
-    found = []
-    for pid in session_pids:
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                if b"ProxyActor" in fh.read():
-                    found.append(pid)
-        except OSError:
-            pass
-    return found
-
-
 async def _load_client(client: httpx.AsyncClient, base: str, i: int, deadline: float, out: dict) -> None:
     body = {"model": MODEL, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 48, "temperature": 0,
             "stream": True}
@@ -148,11 +135,11 @@ def main() -> None:
              "--log-level", "warning"]
     server = servers.start(flags, prefix="logprobe-saturation-")
     try:
-        before = proxy_pids(server.session_pids())
+        before = server.session_pids_running(b"ProxyActor")
         t0 = time.monotonic()
         result = asyncio.run(saturate(server.base, args.seconds, args.clients, args.whole_vocab_clients))
         elapsed = time.monotonic() - t0
-        after = proxy_pids(server.session_pids())
+        after = server.session_pids_running(b"ProxyActor")
     finally:
         server.terminate()
     print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.node()}, "

@@ -48,6 +48,19 @@ class Server:
                     pass
         return pids
 
+    def session_pids_running(self, marker: bytes) -> list[int]:
+        """The session's processes whose command line holds `marker` (b"ModelReplica": the replicas'
+        actors, b"ProxyActor": Serve's proxies), in pid order."""
+        found = []
+        for pid in sorted(self.session_pids()):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                    if marker in fh.read():
+                        found.append(pid)
+            except OSError:  # it exited meanwhile
+                pass
+        return found
+
     def terminate(self, timeout: float = 60) -> int | None:
         """SIGTERM, wait for the exit (the drain), then kill what is left of the session. The exit code."""
         if self.proc.poll() is None:

@@ -31,18 +31,6 @@ MODEL = "smollm2-135m"
 LINES = 32
 
 
-def replica_pids(cluster) -> set[int]:
-    pids = set()
-    for pid in cluster.session_pids():
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                if b"ModelReplica" in fh.read():
-                    pids.add(pid)
-        except OSError:
-            pass
-    return pids
-
-
 def busy_replicas(client: httpx.Client) -> set[str]:
     """The replicas whose engine holds sequence groups, by their latest report (one a second)."""
     busy = set()
@@ -65,7 +53,7 @@ def test_a_replica_lost_mid_batch(tmp_path):
             batch_id = client.post("/v1/batches", json={"input_file_id": uploaded["id"],
                                                         "endpoint": "/v1/completions",
                                                         "completion_window": "24h"}).json()["id"]
-            victims = replica_pids(cluster)
+            victims = set(cluster.session_pids_running(b"ModelReplica"))
             assert len(victims) == 2
             deadline = time.monotonic() + 600
             while len(busy_replicas(client)) < 2:  # lines are on both replicas, however long that takes

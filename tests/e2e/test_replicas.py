@@ -125,18 +125,6 @@ def test_everything_listens_on_loopback(cluster):
     assert any(c.laddr.port == port for c in listening)
 
 
-def _replica_pids(cluster) -> set[int]:
-    pids = set()
-    for pid in cluster.session_pids():
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                if b"ModelReplica" in fh.read():
-                    pids.add(pid)
-        except OSError:
-            pass
-    return pids
-
-
 async def _one(client: httpx.AsyncClient, base: str, stream: bool, expected: dict) -> str:
     """One request of the load; its outcome: "ok", "unavailable" (503 envelope or error event) or a
     description of anything else (a wrong answer, another status)."""
@@ -174,7 +162,7 @@ def test_a_replica_killed_under_load(cluster, server):
     held token is given back, Serve starts a new replica, and it takes traffic."""
     expected = httpx.post(server + "/v1/completions", json={"model": MODEL, "prompt": "The quick brown fox",
                           "max_tokens": 24, "temperature": 0, "logprobs": 1}, timeout=60).json()["choices"][0]
-    before = _replica_pids(cluster)
+    before = set(cluster.session_pids_running(b"ModelReplica"))
     assert len(before) == 2
     victim = min(before)
 
@@ -201,7 +189,7 @@ def test_a_replica_killed_under_load(cluster, server):
     deadline = time.time() + 120
     while time.time() < deadline:
         health = httpx.get(cluster.base + "/health", timeout=10).json()
-        now = _replica_pids(cluster)
+        now = set(cluster.session_pids_running(b"ModelReplica"))
         if victim not in now and len(now) == 2 and health["replicas"]["ready"] == 2:
             break
         time.sleep(1)
@@ -221,7 +209,7 @@ def test_a_replica_killed_under_load(cluster, server):
             break
         time.sleep(1)
     health = httpx.get(cluster.base + "/health", timeout=10).json()
-    assert health["replicas"]["reporting"] == 2 and newcomer in _replica_pids(cluster)
+    assert health["replicas"]["reporting"] == 2 and newcomer in set(cluster.session_pids_running(b"ModelReplica"))
     busy = re.findall(r'^logprobe_engine_step_seconds_count\{replica="([^"]+)"\} ([0-9.]+)$', text, re.M)
     assert sum(1 for _, v in busy if float(v) > 0) == 2, busy
 
@@ -340,14 +328,14 @@ def test_saturated_replicas_leave_the_proxy_answering(cluster):
     sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
     import saturation
 
-    proxies, replicas = saturation.proxy_pids(cluster.session_pids()), _replica_pids(cluster)
+    proxies, replicas = cluster.session_pids_running(b"ProxyActor"), set(cluster.session_pids_running(b"ModelReplica"))
     assert len(proxies) == 1 and len(replicas) == 2
     result = asyncio.run(saturation.saturate(cluster.base, SATURATE_S, clients=8, min_probes=3))
     assert result["failures"] == [], result["failures"][:10]
     assert result["finished"] > 0 and result["probes"] >= 3
     assert result["most_in_flight"] >= 2  # the engines had the load
     # nothing was replaced: no health check gave up on the proxy or a replica
-    assert saturation.proxy_pids(cluster.session_pids()) == proxies and _replica_pids(cluster) == replicas
+    assert cluster.session_pids_running(b"ProxyActor") == proxies and set(cluster.session_pids_running(b"ModelReplica")) == replicas
     assert "health check response for proxy" not in cluster.log_text()
 
 
