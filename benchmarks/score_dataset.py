@@ -27,6 +27,13 @@ products, under 1% at these lengths, and BOS and padding left out, so a fraction
 bare [1024, D] x [D, I] product's rate at each dtype. Tokens per second at that rate is what no arm can
 pass; each arm's fraction of it is printed with its rate.
 
+The products bound, printed after the rounds, is tighter and still one no arm can pass: every product the
+model makes for these rows (each block's [q; k; v], o, [gate; up] and down for every row's tokens and its
+BOS, which every arm runs; the head for every scored position), each at the best rate a bare product of
+its own shape reaches here (weights packed for oneDNN or not, 256 to 4,096 rows), with nothing else
+costing any time: no attention, norm, log_softmax, rank, padding or I/O. Beside it, what 2x the
+transformers loop would be, as a fraction of that bound.
+
     python benchmarks/score_dataset.py [--rows 5000] [--rounds 5] [--http-every 5] [--dtype float32|bfloat16]
                                        [--ray] [--ray-rows 1000] [--skip-transformers]
 """
@@ -169,6 +176,45 @@ def matmul_rate(dtype: str, rows: int, inner: int, outer: int, seconds: float = 
     return 2 * rows * inner * outer / best
 
 
+def product_rates(shape: tuple[int, int], dtype: str, seconds: float = 0.4) -> float:
+    """The best FLOP/s a bare product of weight `shape` ([out, in]) reaches at `dtype` here: plain and with
+    the weight packed for oneDNN (as the lean runner multiplies in bfloat16), at 256, 1,024 and 4,096 rows."""
+    import torch
+
+    out_size, in_size = shape
+    best = 0.0
+    for rows in (256, 1024, 4096):
+        a = torch.randn(rows, in_size, dtype=getattr(torch, dtype))
+        w = torch.randn(out_size, in_size, dtype=getattr(torch, dtype))
+        products = [lambda: a @ w.T]
+        if dtype != "float32" and torch.backends.mkldnn.is_available():
+            packed = torch.ops.mkldnn._reorder_linear_weight(w)
+            products.append(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))
+        for product in products:
+            product()  # warm-up
+            stop = time.perf_counter() + seconds
+            while time.perf_counter() < stop:
+                started = time.perf_counter()
+                product()
+                best = max(best, 2 * rows * in_size * out_size / (time.perf_counter() - started))
+    return best
+
+
+def products_bound(model_dir: str, dtype: str) -> tuple[float, float]:
+    """(seconds a token's pass through the blocks' products takes, seconds a scored position's head
+    product takes), each product at `product_rates` of its shape: what no engine of these weights beats."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(model_dir)
+    d = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    shapes = [((c.num_attention_heads + 2 * c.num_key_value_heads) * d, c.hidden_size),  # [q; k; v]
+              (c.hidden_size, c.num_attention_heads * d), (2 * c.intermediate_size, c.hidden_size),
+              (c.hidden_size, c.intermediate_size)]
+    block = c.num_hidden_layers * sum(2 * o * i / product_rates((o, i), dtype) for o, i in shapes)
+    head = 2 * c.vocab_size * c.hidden_size / product_rates((c.vocab_size, c.hidden_size), dtype)
+    return block, head
+
+
 def ray_against_in_process(source: str, folder: str, dtype: str) -> None:
     """The whole job, model loads included: in process, then on a local Ray of 2 workers."""
     from logprobe.datasets import job, ray_job
@@ -212,10 +258,10 @@ def main() -> None:
     every = max(1, args.http_every)
     arms = {"in-process": None, "loop": lambda t: request_loop(server.base, t[::every], 1),
             "8 clients": lambda t: request_loop(server.base, t[::every], 8)}
+    model_dir = str(loader.ensure_cached(str(loader.bundled_gguf_path())))
     if not args.skip_transformers:
-        peer = TransformersLoop(str(loader.ensure_cached(str(loader.bundled_gguf_path()))), args.dtype)
-        arms["transformers"] = peer
-    blocks, head, hidden, inner = flops_per_token(str(loader.ensure_cached(str(loader.bundled_gguf_path()))))
+        arms["transformers"] = TransformersLoop(model_dir, args.dtype)
+    blocks, head, hidden, inner = flops_per_token(model_dir)
     ceilings = {dtype: matmul_rate(dtype, 1024, hidden, inner) for dtype in ("float32", "bfloat16")}
     ceiling = ceilings[args.dtype] / (blocks + head)  # scored tokens a second at the bare product's rate
     print(f"matmul ceiling: {(blocks + head) / 1e6:.1f} MFLOP a scored token ({blocks / 1e6:.1f} blocks + "
@@ -223,6 +269,7 @@ def main() -> None:
           + ", ".join(f"{rate / 1e9:.0f} GFLOP/s at {dtype}" for dtype, rate in ceilings.items())
           + f": at most {ceiling:.0f} tok/s at {args.dtype}", flush=True)
     rates: dict[str, list[float]] = {name: [] for name in arms}
+    rows_scored: list[tuple[int, int]] = []  # per round: the in-process job's scored tokens, and rows (BOSes)
     try:
         with tempfile.TemporaryDirectory(prefix="score-dataset-") as folder:
             for round_number in range(args.rounds):
@@ -231,15 +278,29 @@ def main() -> None:
                 for name in order:
                     run = arms[name] or (lambda t: in_process(scorer, t, folder))
                     tokens, wall = run(texts)
+                    if name == "in-process":
+                        tokens_of_round = tokens
                     rates[name].append(tokens / wall)
                     print(f"  round {round_number + 1} {name:>12}: {tokens} tokens in {wall:6.2f} s = "
                           f"{tokens / wall:8.1f} tok/s", flush=True)
+                rows_scored.append((tokens_of_round, len(texts)))
             print("tokens/s (median of rounds) and the median per-round ratio to the in-process job:")
             for name, values in rates.items():
                 ratios = [base / v for base, v in zip(rates["in-process"], values)]
                 print(f"  {name:>12}: {statistics.median(values):8.1f} tok/s; in-process is "
                       f"{statistics.median(ratios):.2f}x this (rounds {', '.join(f'{r:.2f}' for r in ratios)}); "
                       f"{statistics.median(values) / ceiling:.0%} of the matmul ceiling")
+            block_s, head_s = products_bound(model_dir, args.dtype)
+            bound = statistics.median(tokens / (block_s * (tokens + rows) + head_s * tokens)
+                                      for tokens, rows in rows_scored)
+            print(f"products bound: {bound:.0f} tok/s (the blocks' products {block_s * 1e3:.3f} ms a token with "
+                  f"every row's BOS, the head's {head_s * 1e3:.3f} ms a scored position, each at its shape's best "
+                  f"bare rate; nothing else timed); the in-process job runs at "
+                  f"{statistics.median(rates['in-process']) / bound:.0%} of it", flush=True)
+            if "transformers" in rates:
+                twice = 2 * statistics.median(rates["transformers"])
+                print(f"  2x the transformers loop: {twice:.0f} tok/s = {twice / bound:.0%} of the products bound",
+                      flush=True)
             if args.ray:
                 server.terminate()
                 scorer.close()

@@ -10,7 +10,7 @@ import re
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from logprobe.api.admission import Admission, RateLimited
+from logprobe.api.admission import BATCH_WAIT_S, Admission, RateLimited
 from logprobe.api.errors import InvalidRequest
 from logprobe.api.metrics import EngineMetrics
 from logprobe.cluster.state import ClusterState, SharedAdmission
@@ -117,6 +117,102 @@ def test_a_short_wait_for_the_budget_is_served_in_order():
     assert [r["kind"] for r in results] == ["ok", "ok"]
     assert 0.7 < total < 1.0
     assert (asyncio.run(state.take("a", 6000, 0.1)))["kind"] == "too_long"
+
+
+async def _settle():
+    """Let every task started so far run up to its wait."""
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_a_keys_interactive_requests_take_its_budget_ahead_of_its_batch_lines():
+    """The clock stands still, so only tokens given back refill the key. Batch lines queued first, an
+    interactive request after them: the interactive one takes the first tokens that come back, the
+    lines theirs afterwards in their order, and an interactive request arriving among them goes ahead
+    of the lines still waiting (as one process's hold does; through SharedAdmission, which passes the
+    priority)."""
+    state = ClusterState(6000, clock=Clock())
+    shared = SharedAdmission(Local(state), capacity=100_000, tokens_per_minute=6000, queue_timeout=30.0)
+
+    async def main():
+        await shared.acquire("a", 5990)  # 10 tokens left
+        served = []
+
+        def queue(name, priority):
+            task = asyncio.ensure_future(shared.acquire("a", 100, priority))
+            task.add_done_callback(lambda _: served.append(name))
+            return task
+
+        lines = [queue(f"line{i}", "batch") for i in range(3)]
+        await _settle()
+        first = queue("first", "interactive")
+        await _settle()
+        state.give_back("a", 100)
+        assert (await first).priority == "interactive"
+        assert served == ["first"] and not any(line.done() for line in lines)
+        state.give_back("a", 100)
+        await lines[0]
+        second = queue("second", "interactive")
+        await _settle()
+        assert not second.done()  # it waits for tokens, not behind the lines
+        state.give_back("a", 100)
+        await second
+        assert not lines[1].done()
+        state.give_back("a", 200)
+        holds = await asyncio.gather(*lines)
+        return served, holds
+
+    served, holds = asyncio.run(main())
+    assert served == ["first", "line0", "second", "line1", "line2"]
+    assert [hold.priority for hold in holds] == ["batch"] * 3
+    assert state._bucket("a").level == 10  # every token given back was taken once
+    assert not state._lines  # nobody left waiting
+
+
+def test_a_keys_batch_lines_do_not_hold_up_other_keys():
+    state = ClusterState(6000, clock=Clock())
+
+    async def main():
+        assert (await state.take("a", 6000, 1.0))["kind"] == "ok"
+        line = asyncio.ensure_future(state.take("a", 100, BATCH_WAIT_S, "batch"))
+        await _settle()
+        other_line = await state.take("b", 100, BATCH_WAIT_S, "batch")
+        other = await state.take("b", 5900, 1.0)
+        waiting = not line.done()
+        line.cancel()
+        await _settle()
+        return other_line, other, waiting and line.cancelled()
+
+    other_line, other, waiting = asyncio.run(main())
+    assert other_line["kind"] == "ok" and other["kind"] == "ok" and waiting
+    assert not state._lines  # the cancelled line left its key's line
+
+
+def test_an_interactive_request_the_budget_cannot_serve_in_time_still_gets_its_429():
+    """Batch lines ahead change nothing for an interactive request the budget cannot serve within
+    queue_timeout: "too_long" when the refill is known to take longer, "timeout" when it waited that
+    long (the clock stands still); one that timed out or was cancelled leaves the line, and the
+    lines behind it take the tokens given back."""
+    state = ClusterState(6000, clock=Clock())  # 100 tokens a second
+
+    async def main():
+        assert (await state.take("a", 6000, 1.0))["kind"] == "ok"
+        line = asyncio.ensure_future(state.take("a", 100, BATCH_WAIT_S, "batch"))
+        await _settle()
+        too_long = await state.take("a", 100, 0.5)  # 1 s of refill
+        timeout = await state.take("a", 10, 0.2)  # 0.1 s of refill that never comes
+        cancelled = asyncio.ensure_future(state.take("a", 10, 30.0))
+        await _settle()
+        cancelled.cancel()
+        await _settle()
+        state.give_back("a", 100)
+        return too_long, timeout, cancelled.cancelled(), await line
+
+    too_long, timeout, was_cancelled, line = asyncio.run(main())
+    assert too_long["kind"] == "too_long" and too_long["wait"] == pytest.approx(1.0) and too_long["level"] == 0
+    assert timeout["kind"] == "timeout" and timeout["headers"]["x-ratelimit-remaining-tokens"] == "0"
+    assert was_cancelled and line["kind"] == "ok"
+    assert state._bucket("a").level == 0 and not state._lines
 
 
 def test_a_drained_ingress_refuses_and_gives_the_budget_back():

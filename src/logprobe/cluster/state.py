@@ -2,7 +2,8 @@
 budget (one budget for the whole application, whatever replica or ingress a request meets) and the
 replicas' latest reports (their stats and engine metrics, for /health and /metrics).
 
-The actor runs the same token bucket as one process (api/admission.py); `SharedAdmission` is the
+The actor runs the same token bucket as one process (api/admission.py), in the same order: a key's
+interactive requests take its budget ahead of its batch lines. `SharedAdmission` is the
 ingress's side of it, with the interface of `Admission`, so the API code does not know the difference.
 """
 
@@ -16,19 +17,49 @@ from dataclasses import dataclass
 from ..api.admission import (BATCH_WAIT_S, Hold, TokenBucket, batch_never_fits_budget, budget_headers,
                              budget_wait_too_long, never_fits_budget, over_capacity, waited_too_long)
 from ..api.errors import Unavailable
+from ..backend import BATCH, INTERACTIVE
 
 STALE_S = 5.0  # a replica that has not reported for this long is not counted as ready
 
 
+@dataclass(eq=False)
+class _Taker:
+    tokens: int
+    served: asyncio.Future  # done once its tokens are taken from the bucket
+
+
+class _KeyLine:
+    """One key's takers waiting for its budget: every interactive one ahead of every batch line (as in
+    one process, a batch line never takes budget an interactive request of its key waits for), arrival
+    order within each."""
+
+    def __init__(self):
+        self.interactive: collections.deque[_Taker] = collections.deque()
+        self.batch: collections.deque[_Taker] = collections.deque()
+        self.timer: asyncio.TimerHandle | None = None  # wakes the head at its refill time
+
+    def head(self) -> _Taker | None:
+        for queue in (self.interactive, self.batch):
+            if queue:
+                return queue[0]
+        return None
+
+    def remove(self, taker: _Taker) -> None:
+        for queue in (self.interactive, self.batch):
+            if taker in queue:
+                queue.remove(taker)
+
+
 class ClusterState:
-    """The shared state (a Ray actor: `ray.remote(ClusterState)`; async methods run on one event loop,
-    so no locks are needed beyond per-key ordering)."""
+    """The shared state (a Ray actor: `ray.remote(ClusterState)`; its methods run on one event loop, so
+    no locks are needed: each key's line of takers is served by `_serve` on every event that can let its
+    head through)."""
 
     def __init__(self, tokens_per_minute: int, clock=time.monotonic):
         self.tokens_per_minute = tokens_per_minute
         self.clock = clock
         self._buckets: dict[str, TokenBucket] = {}
-        self._turns: dict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)  # FIFO per key
+        self._lines: dict[str, _KeyLine] = {}  # only keys with takers waiting
         self._reports: dict[str, tuple[float, dict, bytes]] = {}
 
     # ---- the token budget ---------------------------------------------------------------------
@@ -42,28 +73,63 @@ class ClusterState:
         return {"kind": kind, "headers": budget_headers(self._bucket(key), self.tokens_per_minute, self.clock()),
                 **extra}
 
-    async def take(self, key: str, tokens: int, queue_timeout: float) -> dict:
-        """Take `tokens` from the key's budget, waiting for the refill up to `queue_timeout` seconds
-        (requests of one key take turns in arrival order; other keys never wait behind them). The
-        verdict's kind: "ok", "never" (over the whole budget), "too_long" (the wait is known to pass
-        queue_timeout: `wait`, `level`) or "timeout" (it did pass it)."""
+    async def take(self, key: str, tokens: int, queue_timeout: float, priority: str = INTERACTIVE) -> dict:
+        """Take `tokens` from the key's budget, waiting for the refill up to `queue_timeout` seconds.
+        A key's interactive requests take in arrival order, ahead of its batch lines (`priority="batch"`,
+        which take in arrival order after them); other keys never wait behind them. The verdict's kind:
+        "ok", "never" (over the whole budget), "too_long" (the wait is known to pass queue_timeout:
+        `wait`, `level`) or "timeout" (it did pass it)."""
         if tokens > self.tokens_per_minute:
             return self._verdict(key, "never")
         bucket = self._bucket(key)
         wait = bucket.wait_for(tokens, self.clock())
         if wait > queue_timeout:
             return self._verdict(key, "too_long", wait=wait, level=bucket.level)
+        taker = _Taker(tokens, asyncio.get_running_loop().create_future())
+        line = self._lines.setdefault(key, _KeyLine())
+        (line.batch if priority == BATCH else line.interactive).append(taker)
+        self._serve(key)
         try:
-            await asyncio.wait_for(self._take_in_turn(key, bucket, tokens), queue_timeout)
-        except asyncio.TimeoutError:
+            if not taker.served.done():
+                # asyncio.wait neither cancels `served` nor raises: its state alone says what happened
+                await asyncio.wait((taker.served,), timeout=queue_timeout)
+        except asyncio.CancelledError:  # the caller is gone (Ray cancels the actor's task)
+            if taker.served.done():
+                self.give_back(key, tokens)
+            else:
+                self._leave(key, taker)
+            raise
+        if not taker.served.done():
+            self._leave(key, taker)
             return self._verdict(key, "timeout")
         return self._verdict(key, "ok")
 
-    async def _take_in_turn(self, key: str, bucket: TokenBucket, tokens: int) -> None:
-        async with self._turns[key]:
-            while (wait := bucket.wait_for(tokens, self.clock())) > 0:
-                await asyncio.sleep(wait + 1e-3)
-            bucket.level -= tokens  # no await between the check and the take
+    def _serve(self, key: str) -> None:
+        """Let the key's line through while its head fits the bucket; else wake again at the head's
+        refill time (a new head, a taker leaving or tokens given back call this sooner)."""
+        line = self._lines.get(key)
+        if line is None:
+            return
+        if line.timer is not None:
+            line.timer.cancel()
+            line.timer = None
+        bucket = self._bucket(key)
+        while (taker := line.head()) is not None:
+            wait = bucket.wait_for(taker.tokens, self.clock())
+            if wait > 0:
+                line.timer = taker.served.get_loop().call_later(wait + 1e-3, self._serve, key)
+                return
+            bucket.level -= taker.tokens
+            line.remove(taker)
+            taker.served.set_result(None)
+        del self._lines[key]
+
+    def _leave(self, key: str, taker: _Taker) -> None:
+        """A taker that timed out or was cancelled leaves its line; it may have held up those behind."""
+        line = self._lines.get(key)
+        if line is not None:
+            line.remove(taker)
+            self._serve(key)
 
     def give_back(self, key: str, tokens: int) -> None:
         """Tokens a request held but did not use (max_tokens it did not generate, or all of them when its
@@ -73,6 +139,7 @@ class ClusterState:
         bucket = self._bucket(key)
         bucket.refill(self.clock())
         bucket.level = min(bucket.size, bucket.level + tokens)
+        self._serve(key)  # the key's waiting head may fit now
 
     # ---- replicas' reports ----------------------------------------------------------------------
     def report(self, replica: str, stats: dict, metrics_text: bytes) -> None:
@@ -132,7 +199,7 @@ class SharedAdmission:
             timeout = BATCH_WAIT_S if priority == "batch" else self.queue_timeout
             self._waiting.count += 1
             try:
-                verdict = await self.state.take.remote(key, tokens, timeout)
+                verdict = await self.state.take.remote(key, tokens, timeout, priority)
             finally:
                 self._waiting.count -= 1
             headers = verdict["headers"]

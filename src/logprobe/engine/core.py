@@ -3,8 +3,9 @@
 A step is schedule (scheduler.py: which groups, which prompt chunks), run (the runner's forward passes),
 pick (the tokens, chosen on the device and brought to the host in one array, picks.py) and record
 (output_processor.py, no torch: tokens, stops, finish). Per-request work after a shared pass runs in
-`_each`, so a failure there fails that request only; a failure of the shared pass fails the step's
-requests and resets the runner. Engine (engine.py) adds the model, the thread and the async front.
+`_per_request`, so a failure there fails that request only; a failure of the shared pass fails the
+step's requests and resets the runner. The count of failures and the self-check's schedule are the
+engine's health (health.py). Engine (engine.py) adds the model, the thread and the async front.
 """
 
 from __future__ import annotations
@@ -14,18 +15,18 @@ import queue
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
-import numpy as np
 import torch
 
-from ..backend import ModelInfo, RequestAborted, SamplingParams
+from ..backend import ModelInfo, RequestAborted
 from ..tokens import TokenTable
 from .captures import capture_finished
+from .health import EngineHealth
+from .heap import trim_heap
 from .instruments import pick_with_instruments
 from .interventions import Edits
 from .output_processor import OutputProcessor
-from .picks import Pick, split_picks
+from .picks import Pick, pick_plain_groups, split_plain_picks
 from .request import SequenceGroup
-from .sampler import BatchSettings, pick as pick_on_device
 from .scheduler import Chunk, Plan, Scheduler
 from .tree_passes import grow_tree
 from .steering import grammar_rows, steering_of
@@ -35,7 +36,6 @@ log = logging.getLogger("logprobe.engine")
 
 class EngineCore:
     IDLE_WAIT_S = 0.5  # an empty inbox for this long after work is "idle"
-    SELF_CHECK_RETRY_S = 10.0  # while failing and idle, a self-check at most this often
 
     def __init__(self, runner, info: ModelInfo, table: TokenTable, check_ids: list[int]):
         self.runner = runner
@@ -53,15 +53,9 @@ class EngineCore:
         self.num_steps = 0
         self.step_observer = None  # called on the engine thread with (seconds, rows) after each step
         self.failure_observer = None  # called on the engine thread with "step" or "request" after a failure
-        # Health: a step that fails (a bug in a shared pass or in shared state) fails the requests in it,
-        # resets the runner's shared state and queues a self-check; the engine is "failing" from that
-        # failure until a step succeeds again.
-        self.step_failures = 0
-        self.request_failures = 0
-        self.last_error: tuple[str, float] | None = None  # (exception class, time.time())
-        self.failing = False
-        self._check_due: float | None = None  # when the next self-check may run (while failing)
-        self._check_ids = check_ids
+        # a step that fails fails the requests in it, resets the runner's shared state and queues a
+        # self-check; the engine is "failing" from that failure until a step succeeds again
+        self.health_state = EngineHealth(check_ids)
         self._grammar_pool: ThreadPoolExecutor | None = None  # grammar masks, computed beside the forward pass
 
     # ---- the loop ----------------------------------------------------------------------------
@@ -81,8 +75,8 @@ class EngineCore:
             idle = not self.scheduler.has_work
             self._drain_inbox(block=idle)
             if idle and not self.scheduler.has_work:
-                if self._check_due is not None and time.monotonic() >= self._check_due:
-                    self._queue_self_check()
+                if self.health_state.is_check_due:
+                    self.scheduler.add(self.health_state.self_check(self.table))
                 elif self.num_steps != trimmed_at:
                     # idle for IDLE_WAIT_S after work: shrink the KV cache and hand freed memory back to
                     # the OS (not between back-to-back requests: malloc_trim costs milliseconds)
@@ -117,7 +111,7 @@ class EngineCore:
             log.error("%s after a step of %s", exc, ", ".join(g.request_id for g in plan.groups))
             self._step_failed(plan.groups, exc)
             return
-        self.failing, self._check_due = False, None
+        self.health_state.step_succeeded()
         if self.step_observer is not None:
             self.step_observer(time.perf_counter() - t0, num_rows)
 
@@ -165,7 +159,7 @@ class EngineCore:
         if plan.score:
             self._score(plan.score)
         for tree in plan.trees:  # each its own pass over its prompt or its newest level (engine/tree.py)
-            self._each(tree, self._grow_tree)
+            self._per_request(tree, self._grow_tree)
 
     def _decode(self, groups: list[SequenceGroup]) -> None:
         k = max(g.params.logprobs or 0 for g in groups)
@@ -178,14 +172,14 @@ class EngineCore:
         finally:
             wait(pending.values())
         for group, future in pending.items():
-            self._each(group, self._take_grammar_masks, future)
+            self._per_request(group, self._take_grammar_masks, future)
         if host is None:
-            picks = self._pick(groups, logprob_rows)
+            picks = pick_plain_groups(groups, logprob_rows)
         else:
-            picks = self._split(groups, [i for i, g in enumerate(groups) if g.active_rows], host, k)
+            picks = split_plain_picks(groups, [i for i, g in enumerate(groups) if g.active_rows], host, k)
         for group, rows, pick in zip(groups, logprob_rows, picks):
             if group.error is None:  # not one whose grammar failed above
-                self._each(group, self._decoded, rows, pick)
+                self._per_request(group, self._decoded, rows, pick)
 
     def _start_grammar_masks(self, groups: list[SequenceGroup]) -> dict[SequenceGroup, Future]:
         """The next masks of the constrained groups' rows, started on the grammar thread (llguidance
@@ -207,33 +201,6 @@ class EngineCore:
 
         return new_state(constraint, self)
 
-    def _pick(self, groups: list[SequenceGroup], logprob_rows: list[torch.Tensor]) -> list[Pick | None]:
-        """The tokens of every active row of the plain groups (those whose request asked for no
-        instrument) with their log probabilities and top-k, computed for all of them at once on the
-        device and brought to the host in one transfer. None for the other groups."""
-        plain = [i for i, g in enumerate(groups) if not g.picks_alone and g.active_rows]
-        if not plain:
-            return [None] * len(groups)
-        rows = logprob_rows[plain[0]] if len(plain) == 1 else torch.cat([logprob_rows[i] for i in plain])
-        seqs = [groups[i].sequences[j] for i in plain for j in groups[i].active_rows]
-        params = [groups[i].params for i in plain for _ in groups[i].active_rows]
-        seeds = None if all(p.is_greedy for p in params) else [s.next_seed() for s in seqs]
-        k = max(groups[i].params.logprobs or 0 for i in plain)
-        settings = BatchSettings.of(params, rows.shape[-1], rows.device, seeds)
-        host = pick_on_device(rows, settings, k).cpu().numpy()  # the step's one transfer
-        return self._split(groups, plain, host, k)
-
-    @staticmethod
-    def _split(groups: list[SequenceGroup], plain: list[int], host: np.ndarray, k: int) -> list[Pick | None]:
-        """The host array of the active rows of `groups[i]` for i in `plain` (in that order) as a Pick per
-        group, None for the others."""
-        picks: list[Pick | None] = [None] * len(groups)
-        split = split_picks(host, [len(groups[i].active_rows) for i in plain],
-                            [groups[i].params.logprobs or 0 for i in plain], k)
-        for i, pick in zip(plain, split):
-            picks[i] = pick
-        return picks
-
     def _decoded(self, group: SequenceGroup, logprob_rows: torch.Tensor, pick: Pick | None) -> None:
         self._record(group, logprob_rows, pick)
         self._after_step(group)
@@ -254,7 +221,7 @@ class EngineCore:
     def _prefill(self, chunks: list[Chunk]) -> None:
         for chunk, logprob_rows in zip(chunks, self.runner.prefill_chunks(chunks)):
             if logprob_rows is not None:  # the prompt is done: [1, V] for its first token
-                self._each(chunk.group, self._prefilled, logprob_rows)
+                self._per_request(chunk.group, self._prefilled, logprob_rows)
 
     def _prefilled(self, group: SequenceGroup, logprob_rows: torch.Tensor) -> None:
         if group.params.max_tokens == 0:
@@ -267,7 +234,7 @@ class EngineCore:
                 group.grammar_masks = grammar_rows(group)
             self.runner.expand(group, len(group.active_rows))
             rows = logprob_rows.expand(len(group.active_rows), -1)
-            self._record(group, rows, self._pick([group], [rows])[0])
+            self._record(group, rows, pick_plain_groups([group], [rows])[0])
         self.scheduler.prefilled(group)
         self._after_step(group)
 
@@ -279,7 +246,7 @@ class EngineCore:
             self.runner.prefill_batch(groups)
         for group in groups:
             self.outputs.finish_prompt_only(group)
-            self._each(group, self._after_step)
+            self._per_request(group, self._after_step)
 
     def _interactive_step(self) -> None:
         """Between two blocks of a batch pass (and before each chunk of its head): a step of the
@@ -309,7 +276,7 @@ class EngineCore:
         over its source prompt), before its first pass; a request whose edits fail leaves the plan."""
         for group in [c.group for c in plan.prefill] + plan.score:
             if group.params.interventions and group.edits is None:
-                self._each(group, self._resolve)
+                self._per_request(group, self._resolve)
         plan.prefill = [c for c in plan.prefill if c.group.error is None]
         plan.score = [g for g in plan.score if g.error is None]
 
@@ -332,15 +299,14 @@ class EngineCore:
             self._finish(group)
 
     # ---- failures ----------------------------------------------------------------------------
-    def _each(self, group: SequenceGroup, work, *args) -> None:
+    def _per_request(self, group: SequenceGroup, work, *args) -> None:
         """Per-request work after a shared pass (recording tokens, instruments, stops, callbacks): a
         failure fails this request only."""
         try:
             work(group, *args)
         except Exception as exc:
             log.exception("request %s failed", group.request_id)
-            self.request_failures += 1
-            self.last_error = (type(exc).__name__, time.time())
+            self.health_state.request_failed(exc)
             if self.failure_observer is not None:
                 self.failure_observer("request")
             self._fail(group, exc)
@@ -366,9 +332,7 @@ class EngineCore:
         """Fail the step's requests and every other one holding shared state, rebuild that state (the
         KV cache) from nothing, and queue a self-check: a failure never leaves the engine half-broken,
         and /health says "failing" until a step succeeds."""
-        self.step_failures += 1
-        self.failing = True
-        self.last_error = (type(exc).__name__, time.time())
+        self.health_state.step_failed(exc)
         if self.failure_observer is not None:
             self.failure_observer("step")
         holding = {id(g): g for g in [*groups, *self.scheduler.running, *self.scheduler.prefilling]}
@@ -381,40 +345,14 @@ class EngineCore:
             self.runner.reset()
         except Exception:
             log.exception("resetting the runner failed")
-        if self._check_due is None:  # the first failure after a success: check at the next idle moment
-            self._check_due = time.monotonic()
-
-    def _queue_self_check(self) -> None:
-        """A two-token greedy generation through the same paths as a request (prefill, a cache row,
-        decode): its steps succeeding clear "failing"; failing again keeps it (retried later)."""
-        self._check_due = time.monotonic() + self.SELF_CHECK_RETRY_S
-        params = SamplingParams(max_tokens=2, temperature=0.0)
-        self.scheduler.add(SequenceGroup("self-check", list(self._check_ids), params, self.table))
 
     @property
     def health(self) -> dict:
         """What /health reports of the engine: failing or not, and its failures so far."""
-        out = {"failing": self.failing, "step_failures": self.step_failures,
-               "request_failures": self.request_failures}
-        if self.last_error is not None:
-            out["last_error"] = {"type": self.last_error[0], "at": round(self.last_error[1], 3)}
-        return out
+        return self.health_state.report()
 
-
-def _load_malloc_trim():
-    try:
-        import ctypes
-
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return None
-
-
-_MALLOC_TRIM = _load_malloc_trim()
-
-
-def trim_heap() -> None:
-    """glibc keeps freed memory in its arenas, so a server's RSS only grows with the largest batches it
-    has seen; malloc_trim returns it (a few ms, only when the engine goes idle)."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
+    # the health's numbers read on the engine itself (tests, and `Backend.stats`'s names)
+    step_failures = property(lambda self: self.health_state.step_failures)
+    request_failures = property(lambda self: self.health_state.request_failures)
+    last_error = property(lambda self: self.health_state.last_error)
+    failing = property(lambda self: self.health_state.failing)

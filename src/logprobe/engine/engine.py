@@ -13,7 +13,8 @@ import threading
 from collections.abc import AsyncIterator
 
 from ..backend import Delta, GenerationOutput, GenerationRequest, ModelInfo, StreamEnd, finished_without_forward
-from .core import EngineCore, trim_heap
+from .core import EngineCore
+from .heap import trim_heap
 from .request import SequenceGroup
 from .streaming import attach_releasers
 from .tree import group_for

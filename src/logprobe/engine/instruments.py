@@ -6,7 +6,7 @@ Prompt positions are reduced chunk by chunk in `PromptColumnWriter.fill` (prompt
 `fill_prompt_extras`; generated positions, with the tokens, by `pick_with_instruments`, which hands the
 output processor a `Pick` with these columns; it also picks a steered request's rows (logit_bias,
 allowed_token_ids, bad words, a grammar: steering.py). Only requests that ask get either: a plain
-request's group is picked by `sampler.pick` (engine/core.py), and its prompt columns have no extras.
+request's group is picked by `sampler.pick` (picks.pick_plain_groups), and its prompt columns have no extras.
 """
 
 from __future__ import annotations
