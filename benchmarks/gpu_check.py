@@ -7,6 +7,11 @@ a network. Prints a table and writes it as JSON (`--out`).
    generated log probabilities checked against a float64 forward of transformers' own implementation
    on the CPU; the same in bfloat16 with its error reported. The sampler's random numbers: the same
    SplitMix64 bits on the device as on the CPU, and seeded float32 generations compared token by token.
+   The newer decode paths on the same tiny float32 Llama, on the device against the CPU engine (the same
+   tokens exactly, every number within 1e-4) and against float64: greedy under a JSON schema with
+   `constraint_logprobs` (llguidance's masks on the grammar thread), seeded draws under logit_bias and
+   bad words (`logprobs_mode: "both"`), a token tree, and batch scoring lines held at a block of their
+   pass while interactive requests run there (their numbers as uninterrupted and as alone).
 3. A Llama-3.1-8B-shaped model with random weights in bfloat16 (32 layers, d_model 4096, 32 query and 8
    key/value heads, MLP 14,336, vocabulary 128,256), loaded straight onto the device:
    - prefill tok/s (4 prompts of 2,048 tokens, one token generated each) against the FLOP ceiling,
@@ -27,7 +32,7 @@ model's (`--tokenizer DIR`: any transformers tokenizer directory; its 49,152 tok
 model's first ids, the rest decode to nothing).
 
     python benchmarks/gpu_check.py --tokenizer DIR [--out gpu_check.json] [--device cuda] [--small]
-                                   [--skip families,sampler,whole,compile]
+                                   [--skip families,sampler,paths,whole,compile]
 
 `--small` shrinks the large model (for a dry run of the script on a CPU).
 """
@@ -240,6 +245,161 @@ def sampler_numbers(device, tokenizer):
            "seeded_sequences_equal": f"{same} of {len(tokens['cpu'])}", "first_parting": first_parting}
     say(f"   SplitMix64 bits equal: {bits_equal}; exponential numbers within {relative:.1e} of each other;"
         f" seeded float32 generations equal on both: {same} of {len(tokens['cpu'])}")
+    return out
+
+
+# ---- 2b. the newer decode paths ---------------------------------------------------------------
+SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no", "maybe"]}}, "required": ["answer"],
+          "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}
+BIAS, BANNED = ((330, 5.0), (17, -3.0)), (389, 12345)
+
+
+# Each path runs on one engine and returns (arrays that must be equal on both engines, arrays of log
+# probabilities compared within a tolerance, its largest error against float64, notes for the table).
+def raw_error(model64, prompt_ids, tokens, logprobs) -> float:
+    """Largest |generated token's log probability - float64's| of one choice."""
+    if not len(tokens):
+        return 0.0
+    ref = reference_rows(model64, list(prompt_ids) + [int(t) for t in tokens])
+    start = len(prompt_ids) - 1
+    return float(np.abs(np.asarray(logprobs, np.float64) - ref[start + np.arange(len(tokens)), tokens]).max())
+
+
+def constrained_path(engine, model64):
+    """Greedy under a JSON schema (llguidance; masks on the grammar thread beside the forward pass)."""
+    from logprobe.backend import Constraint
+
+    g = SequenceGroup("constrained", engine.tokenizer("JSON:").input_ids,
+                      SamplingParams(max_tokens=12, temperature=0, logprobs=3, logprobs_mode="both",
+                                     stop_token_ids=engine.info.stop_token_ids,
+                                     constraint=Constraint("json_schema", json.dumps(SCHEMA))), engine.table)
+    c, = run_groups(engine, [g])[0].output().choices
+    return [c.token_ids, c.top_ids], [c.logprobs, c.top_logprobs, c.processed_logprobs, c.constraint_logprobs], \
+        raw_error(model64, g.prompt_ids, c.token_ids, c.logprobs), {"text": c.text}
+
+
+def steered_path(engine, model64):
+    """Seeded draws under logit_bias and bad words, both modes: raw, processed and constraint numbers
+    against float64 (test_steering_reference's processed distribution, written from the API's words)."""
+    from test_steering_reference import logsumexp, processed_reference
+
+    g = SequenceGroup("steered", engine.tokenizer("The quick brown fox jumps over").input_ids,
+                      SamplingParams(max_tokens=8, n=2, seed=7, temperature=0.8, logprobs=3, logprobs_mode="both",
+                                     logit_bias=BIAS, bad_words_ids=tuple((t,) for t in BANNED),
+                                     stop_token_ids=engine.info.stop_token_ids), engine.table)
+    allowed = np.ones(engine.info.vocab_size, dtype=bool)
+    allowed[list(BANNED)] = False
+    exact, numbers, worst = [], [], 0.0
+    for c in run_groups(engine, [g])[0].output().choices:
+        exact += [c.token_ids, c.top_ids, c.processed_top_ids]
+        numbers += [c.logprobs, c.top_logprobs, c.processed_logprobs, c.processed_top_logprobs, c.constraint_logprobs]
+        rows = reference_rows(model64, g.prompt_ids + c.token_ids.tolist())[len(g.prompt_ids) - 1:]
+        for i, token in enumerate(c.token_ids):
+            dist = processed_reference(rows[i], BIAS, allowed, temperature=0.8)
+            top = np.isfinite(c.processed_top_logprobs[i])
+            worst = max(worst, abs(c.logprobs[i] - rows[i][token]), abs(c.processed_logprobs[i] - dist[token]),
+                        abs(c.constraint_logprobs[i] - logsumexp(rows[i][allowed])),
+                        float(np.abs(c.processed_top_logprobs[i][top] - dist[c.processed_top_ids[i][top]]).max()))
+    return exact, numbers, float(worst), {}
+
+
+def tree_path(engine, model64):
+    """A token tree (depth 3, 4 branches: 84 nodes); each node's raw log probability at its own prefix."""
+    from logprobe.backend import TreeShape
+    from logprobe.engine.tree import TreeGroup
+
+    g = TreeGroup("tree", [5, 17, 300, 4242], SamplingParams(max_tokens=3, temperature=1.0,
+                                                              stop_token_ids=engine.info.stop_token_ids),
+                  engine.table, TreeShape(depth=3, branches=4))
+    t = run_groups(engine, [g])[0].output().tree
+    rows = {p: reference_rows(model64, g.prompt_ids + (g.path(p) if p >= 0 else []))[-1] for p in set(t.parents)}
+    worst = max(abs(float(lp) - rows[int(p)][tok]) for p, tok, lp in zip(t.parents, t.token_ids, t.logprobs))
+    return [t.parents, t.token_ids, t.ranks], [t.logprobs, t.processed_logprobs, t.cumulative_logprobs,
+                                                t.entropies], float(worst), {"nodes": len(t.token_ids)}
+
+
+def interleaved_path(engine, model64):
+    """Batch scoring lines, the pass held at its first block while two interactive requests are queued
+    (test_interleaved_steps.FirstBlock): they must run there; every number as uninterrupted and alone."""
+    import test_interleaved_steps as steps
+
+    lines, asked = steps.batch_lines(engine), steps.interactive_requests(engine)
+    seen = []
+    steps.FirstBlock(engine, lambda n: seen.append((n, asked[0].is_finished,
+                                                   sum(g.is_finished for g in lines)))).run(lines, asked)
+    notes = {"at_first_block": bool(seen) and seen[0] == (1, True, 0)}
+    alone = steps.copies(asked, engine.table)
+    run_groups(engine, alone)
+    notes["asked_as_alone"] = all(steps.numbers(a) == steps.numbers(b) for a, b in zip(alone, asked))
+    try:
+        steps.assert_as_uninterrupted(engine, lines)
+        notes["lines_as_uninterrupted"] = True
+    except AssertionError:
+        notes["lines_as_uninterrupted"] = False
+    worst = max(float(np.abs(g.prompt_columns.logprobs[1:] - reference_rows(model64, g.prompt_ids)[
+        np.arange(len(g.prompt_ids) - 1), g.prompt_ids[1:]]).max()) for g in [*lines, asked[0]])
+    seq = asked[1].sequences[0]
+    worst = max(worst, raw_error(model64, asked[1].prompt_ids, seq.token_ids, seq.logprobs))
+    exact = [np.asarray(seq.token_ids)] + [g.prompt_columns.top_ids for g in lines]
+    return exact, [g.prompt_columns.logprobs for g in [*lines, asked[0]]] + [seq.logprobs], worst, notes
+
+
+def max_difference(a, b) -> float:
+    """Largest |a - b| over the finite entries; infinite where their -inf entries differ."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if a.shape != b.shape or not np.array_equal(np.isneginf(a), np.isneginf(b)):
+        return float("inf")
+    finite = np.isfinite(a)
+    return float(np.abs(a[finite] - b[finite]).max()) if finite.any() else 0.0
+
+
+@section("new decode paths on the device")
+def decode_paths(device, tokenizer, tol=1e-4):
+    """Each path on the device and on the CPU engine, the same float32 weights: the same tokens (ids,
+    top ids, tree shape) exactly, every number within `tol` of the CPU's and of a float64 forward's."""
+    import importlib.util
+
+    from test_families import build
+
+    model = build("llama", len(tokenizer))
+    model64 = __import__("copy").deepcopy(model).double()
+    paths = {"constrained": constrained_path, "steered": steered_path, "tree": tree_path,
+             "interleaved": interleaved_path}
+    if importlib.util.find_spec("llguidance") is None:
+        paths.pop("constrained")
+    runs = {}
+    for side, where in enumerate(("cpu", device.type)):  # the same calls on both; only the weights' device differs
+        engine = Engine(__import__("copy").deepcopy(model).to(device=where, dtype=torch.float32), tokenizer,
+                        f"tiny-{where}", [])
+        engine.start()
+        try:
+            for name, path in paths.items():
+                try:
+                    runs[side, name] = path(engine, model64)
+                except Exception as exc:  # one broken path does not hide the others
+                    traceback.print_exc()
+                    runs[side, name] = f"{type(exc).__name__}: {exc}"
+        finally:
+            engine.stop()
+        runner = engine.info.runner
+    out = {"runner": runner}
+    if "constrained" not in paths:
+        out["constrained"] = {"skipped": "llguidance not installed"}
+        say("   constrained  skipped: llguidance not installed")
+    for name in paths:
+        here, there = runs[0, name], runs[1, name]
+        if isinstance(here, str) or isinstance(there, str):
+            out[name] = {"passed": False, "error": there if isinstance(there, str) else f"on the CPU: {here}"}
+        else:
+            same = len(here[0]) == len(there[0]) and all(np.array_equal(x, y) for x, y in zip(here[0], there[0]))
+            vs_cpu = max((max_difference(x, y) for x, y in zip(here[1], there[1])), default=0.0)
+            out[name] = {"same_tokens": same, "max_abs_error_vs_cpu": vs_cpu, "max_abs_error_vs_float64": there[2],
+                         **there[3]}
+            out[name]["passed"] = same and vs_cpu <= tol and there[2] <= tol and all(
+                v for v in there[3].values() if isinstance(v, bool))
+        say(f"   {name:12s} " + ", ".join(f"{k} {v:.1e}" if isinstance(v, float) else f"{k} {v}"
+                                        for k, v in out[name].items()))
+    out["passed"] = all(v["passed"] for v in out.values() if isinstance(v, dict) and "skipped" not in v)
     return out
 
 
@@ -552,7 +712,7 @@ def main():
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default="gpu_check.json")
     parser.add_argument("--small", action="store_true")
-    parser.add_argument("--skip", default="", help="comma-separated sections to skip: families,sampler,whole,compile")
+    parser.add_argument("--skip", default="", help="comma-separated sections to skip: families,sampler,paths,whole,compile")
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
@@ -570,6 +730,8 @@ def main():
         families(device, tokenizer)
     if "sampler" not in skip:
         sampler_numbers(device, tokenizer)
+    if "paths" not in skip:
+        decode_paths(device, tokenizer)
     holder = {}
     load_large(device, args.small, tokenizer, holder)
     if "engine" in holder:

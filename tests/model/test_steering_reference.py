@@ -405,3 +405,24 @@ def test_a_failing_grammar_fails_its_request_only(engine):
     assert neighbour.error is None and len(neighbour.output().choices[0].token_ids) == 6
     alone, = run(engine, group(engine, max_tokens=6, temperature=0))
     assert neighbour.output().choices[0].token_ids.tolist() == alone.choices[0].token_ids.tolist()
+
+
+def test_a_stopped_engine_leaves_no_grammar_thread(sharp_model, tokenizer):
+    """The grammar worker starts with the first constrained step and ends when its engine stops: engines
+    made and stopped per model load, or per test, leave no thread behind."""
+    def grammar_threads():
+        return {t for t in threading.enumerate() if t.name.startswith("logprobe-grammar") and t.is_alive()}
+
+    before = grammar_threads()
+    engine = Engine(sharp_model, tokenizer, "test/sharp", [])
+    engine.start()
+    try:
+        out, = run(engine, group(engine, "Numbers:", max_tokens=4, temperature=0,
+                                 constraint=Constraint("regex", "[0-9]{4}")))
+        assert all(engine.table.strings[t].isdigit() for t in out.choices[0].token_ids)
+        assert grammar_threads() - before, "the constrained step ran on the grammar thread"
+    finally:
+        engine.stop()
+    for thread in grammar_threads() - before:
+        thread.join(timeout=60)  # generous: the worker only has to see the shutdown
+    assert not grammar_threads() - before, "a grammar thread outlived its engine"

@@ -5,7 +5,8 @@ pick (the tokens, chosen on the device and brought to the host in one array, pic
 (output_processor.py, no torch: tokens, stops, finish). Per-request work after a shared pass runs in
 `_per_request`, so a failure there fails that request only; a failure of the shared pass fails the
 step's requests and resets the runner. The count of failures and the self-check's schedule are the
-engine's health (health.py). Engine (engine.py) adds the model, the thread and the async front.
+engine's health (health.py); constrained rows' grammar masks are computed beside the decode pass
+(grammar_masks.py). Engine (engine.py) adds the model, the thread and the async front.
 """
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
 from ..backend import ModelInfo, RequestAborted
 from ..tokens import TokenTable
 from .captures import capture_finished
+from .grammar_masks import GrammarMasks
 from .health import EngineHealth
 from .heap import trim_heap
 from .instruments import pick_with_instruments
@@ -29,7 +30,7 @@ from .picks import Pick, pick_plain_groups, split_plain_picks
 from .request import SequenceGroup
 from .scheduler import Chunk, Plan, Scheduler
 from .tree_passes import grow_tree
-from .steering import grammar_rows, steering_of
+from .steering import steering_of
 
 log = logging.getLogger("logprobe.engine")
 
@@ -56,7 +57,7 @@ class EngineCore:
         # a step that fails fails the requests in it, resets the runner's shared state and queues a
         # self-check; the engine is "failing" from that failure until a step succeeds again
         self.health_state = EngineHealth(check_ids)
-        self._grammar_pool: ThreadPoolExecutor | None = None  # grammar masks, computed beside the forward pass
+        self.grammar_masks = GrammarMasks()  # constrained rows' masks, computed beside the decode pass
 
     # ---- the loop ----------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -163,16 +164,13 @@ class EngineCore:
 
     def _decode(self, groups: list[SequenceGroup]) -> None:
         k = max(g.params.logprobs or 0 for g in groups)
-        pending = self._start_grammar_masks(groups)  # on a worker thread while the forward pass runs
-        try:
+        with self.grammar_masks.beside(groups) as pending:  # on the grammar thread while the forward pass runs
             if any(g.picks_alone for g in groups):
                 logprob_rows, host = self.runner.decode_groups(groups), None
             else:  # the runner may pick the tokens in its recorded pass
                 logprob_rows, host = self.runner.decode_and_pick(groups, k)
-        finally:
-            wait(pending.values())
         for group, future in pending.items():
-            self._per_request(group, self._take_grammar_masks, future)
+            self._per_request(group, self.grammar_masks.take, future)
         if host is None:
             picks = pick_plain_groups(groups, logprob_rows)
         else:
@@ -181,22 +179,9 @@ class EngineCore:
             if group.error is None:  # not one whose grammar failed above
                 self._per_request(group, self._decoded, rows, pick)
 
-    def _start_grammar_masks(self, groups: list[SequenceGroup]) -> dict[SequenceGroup, Future]:
-        """The next masks of the constrained groups' rows, started on the grammar thread (llguidance
-        releases the GIL: the mask costs no time beside the forward pass)."""
-        constrained = [g for g in groups if g.params.constraint is not None and g.active_rows]
-        if not constrained:
-            return {}
-        if self._grammar_pool is None:
-            self._grammar_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="logprobe-grammar")
-        return {g: self._grammar_pool.submit(grammar_rows, g) for g in constrained}
-
-    @staticmethod
-    def _take_grammar_masks(group: SequenceGroup, future: Future) -> None:
-        group.grammar_masks = future.result()
-
     def new_grammar_state(self, constraint):
-        """A new sequence's grammar state (engine/grammar.py), made when its group starts decoding."""
+        """A new sequence's grammar state (engine/grammar.py), made when its group starts decoding or a
+        tree is steered; looked up on the engine at each call, so a test may replace it."""
         from .grammar import new_state
 
         return new_state(constraint, self)
@@ -229,9 +214,7 @@ class EngineCore:
         else:
             self.outputs.start_decoding(group)
             if group.params.constraint is not None:  # each choice's grammar, and its first mask
-                for seq in group.sequences:
-                    seq.grammar = self.new_grammar_state(group.params.constraint)
-                group.grammar_masks = grammar_rows(group)
+                self.grammar_masks.begin(group, self.new_grammar_state)
             self.runner.expand(group, len(group.active_rows))
             rows = logprob_rows.expand(len(group.active_rows), -1)
             self._record(group, rows, pick_plain_groups([group], [rows])[0])

@@ -134,6 +134,8 @@ class Engine(EngineCore):
         self._inbox.put(None)
         if self._thread is not None:
             self._thread.join(timeout=10)
+            if not self._thread.is_alive():  # no step can still hand the grammar worker a mask
+                self.grammar_masks.close()
             self._thread = None
 
     @property
