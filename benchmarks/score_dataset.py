@@ -27,12 +27,12 @@ products, under 1% at these lengths, and BOS and padding left out, so a fraction
 bare [1024, D] x [D, I] product's rate at each dtype. Tokens per second at that rate is what no arm can
 pass; each arm's fraction of it is printed with its rate.
 
-The products bound, printed after the rounds, is tighter and still one no arm can pass: every product the
-model makes for these rows (each block's [q; k; v], o, [gate; up] and down for every row's tokens and its
-BOS, which every arm runs; the head for every scored position), each at the best rate a bare product of
-its own shape reaches here (weights packed for oneDNN or not, 256 to 4,096 rows), with nothing else
-costing any time: no attention, norm, log_softmax, rank, padding or I/O. Beside it, what 2x the
-transformers loop would be, as a fraction of that bound.
+The products bound, printed after the rounds, counts more exactly and is still one no arm can pass:
+every product the model makes for these rows (each block's [q; k; v], o, [gate; up] and down for every
+row's tokens and its BOS, which every arm runs; the head for every scored position), each at the best
+rate a bare product of its own shape reaches here (weights packed for oneDNN or not, 256 to 4,096 rows),
+with nothing else costing any time: no attention, norm, log_softmax, rank, padding or I/O. Beside it,
+what 2x the transformers loop would be, as a fraction of that bound.
 
     python benchmarks/score_dataset.py [--rows 5000] [--rounds 5] [--http-every 5] [--dtype float32|bfloat16]
                                        [--ray] [--ray-rows 1000] [--skip-transformers]
