@@ -158,6 +158,17 @@ class ClusterState:
                 for r, (at, stats, text) in self._reports.items()}
 
 
+def cancel_call(call) -> None:
+    """Cancel a call of an actor's method: a Ray ObjectRef with `ray.cancel` (an async actor's coroutine
+    then sees CancelledError), an asyncio future (the actor's object called in process) itself."""
+    if isinstance(call, asyncio.Future):
+        call.cancel()
+        return
+    import ray
+
+    ray.cancel(call)
+
+
 @dataclass
 class _Pending:
     count: int = 0
@@ -198,8 +209,15 @@ class SharedAdmission:
             # a batch line waits for its key's budget however long it takes (never a 429)
             timeout = BATCH_WAIT_S if priority == "batch" else self.queue_timeout
             self._waiting.count += 1
+            call = self.state.take.remote(key, tokens, timeout, priority)
             try:
-                verdict = await self.state.take.remote(key, tokens, timeout, priority)
+                verdict = await call
+            except asyncio.CancelledError:
+                # The request is gone (its client left, its batch was cancelled). Being cancelled while
+                # awaiting an actor's call leaves the call running, and at its turn it would take the
+                # tokens for nobody: cancel it too (its `take` leaves the line, or gives back what it took).
+                cancel_call(call)
+                raise
             finally:
                 self._waiting.count -= 1
             headers = verdict["headers"]

@@ -1,0 +1,54 @@
+"""The shared token budget on a real Ray actor: a request that is cancelled while its key's budget keeps
+it waiting (its client left, its batch was cancelled) takes nothing when its turn would have come. On
+Ray, being cancelled while awaiting an actor's call leaves the call running; the ingress cancels it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+pytest.importorskip("ray", reason="Ray is not installed (pip install 'logprobe[ray]')")
+pytestmark = pytest.mark.e2e
+
+BUDGET = 600  # tokens a minute: 10 a second
+
+
+@pytest.fixture(scope="module")
+def ray_started():
+    import ray
+
+    from logprobe.cluster import local_ray_environment
+
+    local_ray_environment(joining=False)
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.mark.parametrize("priority", ["batch", "interactive"])
+def test_a_cancelled_wait_for_the_budget_takes_nothing(ray_started, priority):
+    from logprobe.cluster.state import ClusterState, SharedAdmission
+
+    ray = ray_started
+    state = ray.remote(ClusterState).remote(BUDGET)
+    admission = SharedAdmission(state, capacity=10_000, tokens_per_minute=BUDGET, queue_timeout=600)
+
+    async def scenario():
+        first = await admission.acquire("k", BUDGET - 5, priority)  # 5 tokens left
+        waiting = asyncio.ensure_future(admission.acquire("k", 300, priority))  # needs ~30 s of refill
+        while admission.queue_depth == 0:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.5)  # the call has reached the actor and waits in the key's line
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        admission.release(first, used=0)  # all of it back: the bucket is full again
+        # An interactive request that needs the whole bucket is served only if the cancelled one took
+        # nothing: had its call stayed in the key's line, the tokens given back would serve it first (300
+        # taken), and this one would be refused (a 30 s wait for the refill, past its 2 s queue_timeout).
+        late = SharedAdmission(state, capacity=10_000, tokens_per_minute=BUDGET, queue_timeout=2)
+        hold = await late.acquire("k", BUDGET)
+        assert hold.tokens == BUDGET
+
+    asyncio.run(scenario())
