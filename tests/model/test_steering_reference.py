@@ -409,20 +409,25 @@ def test_a_failing_grammar_fails_its_request_only(engine):
 
 def test_a_stopped_engine_leaves_no_grammar_thread(sharp_model, tokenizer):
     """The grammar worker starts with the first constrained step and ends when its engine stops: engines
-    made and stopped per model load, or per test, leave no thread behind."""
+    made and stopped per model load, or per test, leave no thread behind. Started again, the engine
+    serves as before, with a worker of its own again."""
     def grammar_threads():
         return {t for t in threading.enumerate() if t.name.startswith("logprobe-grammar") and t.is_alive()}
 
     before = grammar_threads()
     engine = Engine(sharp_model, tokenizer, "test/sharp", [])
-    engine.start()
-    try:
-        out, = run(engine, group(engine, "Numbers:", max_tokens=4, temperature=0,
-                                 constraint=Constraint("regex", "[0-9]{4}")))
-        assert all(engine.table.strings[t].isdigit() for t in out.choices[0].token_ids)
-        assert grammar_threads() - before, "the constrained step ran on the grammar thread"
-    finally:
-        engine.stop()
-    for thread in grammar_threads() - before:
-        thread.join(timeout=60)  # generous: the worker only has to see the shutdown
-    assert not grammar_threads() - before, "a grammar thread outlived its engine"
+    answers = []
+    for attempt in range(2):
+        engine.start()
+        try:
+            out, = run(engine, group(engine, "Numbers:", max_tokens=4, temperature=0, logprobs=1,
+                                     constraint=Constraint("regex", "[0-9]{4}")))
+            assert all(engine.table.strings[t].isdigit() for t in out.choices[0].token_ids)
+            assert grammar_threads() - before, "the constrained step ran on the grammar thread"
+            answers.append((list(out.choices[0].token_ids), list(out.choices[0].logprobs)))
+        finally:
+            engine.stop()
+        for thread in grammar_threads() - before:
+            thread.join(timeout=60)  # generous: the worker only has to see the shutdown
+        assert not grammar_threads() - before, f"start {attempt + 1}: a grammar thread outlived its engine"
+    assert answers[0] == answers[1]

@@ -114,6 +114,7 @@ class Engine(EngineCore):
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
         if self._thread is None:
+            self._stopping = False  # an engine stopped before runs again (the stop's wake-up is skipped)
             self._thread = threading.Thread(target=self._loop, name="logprobe-engine", daemon=True)
             self._thread.start()
 
