@@ -215,6 +215,47 @@ def test_an_interactive_request_the_budget_cannot_serve_in_time_still_gets_its_4
     assert state._bucket("a").level == 0 and not state._lines
 
 
+class _Answers:
+    """A budget actor's handle whose `take` calls the test answers itself."""
+
+    def __init__(self):
+        self.calls: list[asyncio.Future] = []
+        self.given_back: list[tuple[str, int]] = []
+
+        def take(key, tokens, timeout, priority):
+            self.calls.append(asyncio.get_running_loop().create_future())
+            return self.calls[-1]
+
+        self.take = type("Remote", (), {"remote": staticmethod(take)})
+        self.give_back = type("Remote", (), {"remote": staticmethod(lambda key, n: self.given_back.append((key, n)))})
+
+
+@pytest.mark.parametrize("answered", [True, False])
+def test_a_request_cancelled_while_it_waits_for_the_budget_takes_nothing(answered):
+    """Cancelled while its `take` call is out, the request withdraws the call before it ends. Answered
+    "ok" just before the cancellation reached it (the answer is in, the request has not run since), the
+    tokens were taken for nobody: they go back. Not answered yet, the call is cancelled and nothing goes
+    back (the actor's `take` settles a cancelled wait itself)."""
+    state = _Answers()
+    shared = SharedAdmission(state, capacity=1000, tokens_per_minute=600, queue_timeout=30.0)
+
+    async def main():
+        waiting = asyncio.ensure_future(shared.acquire("k", 300))
+        while not state.calls:
+            await asyncio.sleep(0)
+        if answered:
+            state.calls[0].set_result({"kind": "ok", "headers": {}})
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        return state.calls[0].cancelled()
+
+    call_cancelled = asyncio.run(main())
+    assert state.given_back == ([("k", 300)] if answered else [])
+    assert call_cancelled is not answered
+    assert (shared.running, shared.held, shared.queue_depth) == (0, 0, 0)
+
+
 def test_a_drained_ingress_refuses_and_gives_the_budget_back():
     state = ClusterState(1000, clock=Clock())
     shared = SharedAdmission(Local(state), capacity=4000, tokens_per_minute=1000, queue_timeout=1.0)

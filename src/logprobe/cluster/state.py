@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -193,6 +194,7 @@ class SharedAdmission:
         self.running = 0
         self.draining = False
         self._waiting = _Pending()
+        self._withdrawals: set[asyncio.Future] = set()  # held until each ends (asyncio keeps weak references)
         self.on_queue_time = None
 
     @property
@@ -215,8 +217,13 @@ class SharedAdmission:
             except asyncio.CancelledError:
                 # The request is gone (its client left, its batch was cancelled). Being cancelled while
                 # awaiting an actor's call leaves the call running, and at its turn it would take the
-                # tokens for nobody: cancel it too (its `take` leaves the line, or gives back what it took).
-                cancel_call(call)
+                # tokens for nobody: withdraw it, and end only once the actor has settled it, so that no
+                # later call of this ingress (a release giving tokens back) reaches the actor first.
+                withdrawal = asyncio.ensure_future(self._withdraw(call, key, tokens))
+                self._withdrawals.add(withdrawal)
+                withdrawal.add_done_callback(self._withdrawals.discard)
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.shield(withdrawal)  # cancelled again, it still runs to its end
                 raise
             finally:
                 self._waiting.count -= 1
@@ -240,6 +247,18 @@ class SharedAdmission:
         if self.on_queue_time is not None:
             self.on_queue_time(hold.queue_seconds)
         return hold
+
+    async def _withdraw(self, call, key: str, tokens: int) -> None:
+        """Cancel a call of `take` whose caller is gone and wait for its outcome: the actor's `take`
+        leaves the line, or gives back what it took when cancelled; a call the actor had already
+        answered "ok" before the cancellation reached it took the tokens, and they are given back here."""
+        cancel_call(call)
+        try:
+            verdict = await call
+        except (asyncio.CancelledError, Exception):  # cancelled (Ray: TaskCancelledError), or the actor is gone
+            return
+        if verdict["kind"] == "ok":
+            self.state.give_back.remote(key, tokens)
 
     def release(self, hold: Hold, used: int) -> None:
         if hold.released:
