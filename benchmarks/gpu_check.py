@@ -495,7 +495,6 @@ def prefill(device, holder, prompts=4, length=2048):
 def decode(device, holder, batches=(1, 16, 64)):
     engine = holder["engine"]
     out = {"weight_GB": weight_bytes(engine) / 1e9}
-    runner = engine.runner
     # CUDA graphs of fixed-shape steps, and eager; a CPU (a dry run) runs the fixed-shape step eagerly
     modes = (True, False) if device.type == "cuda" else (True,)
     # (batch, graphs, pick in the step, top_p): the tokens picked in the recorded step, or after it (the

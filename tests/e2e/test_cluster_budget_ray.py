@@ -52,3 +52,27 @@ def test_a_cancelled_wait_for_the_budget_takes_nothing(ray_started, priority):
         assert hold.tokens == BUDGET
 
     asyncio.run(scenario())
+
+
+def test_the_application_budget_serves_other_calls_beside_a_thousand_waiting_requests(ray_started):
+    """Ray runs at most 1,000 of an async actor's calls at once unless told otherwise: past 1,000
+    requests waiting for one key's budget, every other call (another key's take, tokens given back, the
+    replicas' reports) would wait behind them. The application's actor (`ensure_state`) takes more."""
+    from types import SimpleNamespace
+
+    from logprobe.cluster.ray_app import ensure_state
+
+    ray = ray_started
+    state = ensure_state(SimpleNamespace(admission=SimpleNamespace(tokens_per_minute=BUDGET)))
+    try:
+        assert ray.get(state.take.remote("a", BUDGET, 1.0))["kind"] == "ok"  # key a's bucket is empty
+        # 1,100 takes of key a wait for a refill each (a minute): none can be served while the test runs
+        waiting = [state.take.remote("a", BUDGET, 3600.0) for _ in range(1_100)]
+        other = ray.get(state.take.remote("b", 10, 1.0), timeout=600)
+        ray.get(state.report.remote("replica", {}, b""), timeout=600)
+        assert other["kind"] == "ok"
+        assert "replica" in ray.get(state.snapshot.remote(), timeout=600)
+        ready, _ = ray.wait(waiting, num_returns=len(waiting), timeout=0)
+        assert not ready  # the other calls were served beside them, not after them
+    finally:
+        ray.kill(state)

@@ -65,6 +65,7 @@ _replica_grpc_on_loopback()
 
 NAMESPACE = "logprobe"
 STATE_ACTOR = "logprobe-cluster-state"
+STATE_CONCURRENCY = 100_000  # the ClusterState actor's calls running at once (Ray's default: 1,000)
 APP_NAME = "logprobe"
 REPORT_EVERY_S = 1.0
 # A replica's engine keeps its cores busy for as long as requests wait. Run at a lower priority (nice
@@ -439,9 +440,13 @@ def start_ray(settings: Settings) -> None:
 
 def ensure_state(settings: Settings):
     """The application's ClusterState actor, created by whichever replica asks first (detached: it
-    outlives any one replica; Ray restarts it if its process dies, with full budgets)."""
+    outlives any one replica; Ray restarts it if its process dies, with full budgets). Its calls are
+    coroutines on one event loop; Ray caps an async actor at 1,000 running at once by default, and the
+    budget's waiting takers would then hold up every other call (tokens given back, other keys, the
+    replicas' reports): `STATE_CONCURRENCY` lifts the cap past any number of waiting requests."""
     return ray.remote(num_cpus=0, max_restarts=-1)(ClusterState).options(
         name=STATE_ACTOR, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+        max_concurrency=STATE_CONCURRENCY,
     ).remote(settings.admission.tokens_per_minute)
 
 
