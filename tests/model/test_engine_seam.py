@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import queue
+import time
 
 import pytest
 
@@ -12,14 +14,47 @@ from logprobe.engine.request import SequenceGroup
 from logprobe.engine.streaming import Releaser
 
 
+def test_the_groups_of_one_submit_reach_the_scheduler_together(tiny_model, tokenizer):
+    """The groups of one submit (a request's prompts and choices) are scheduled together however the
+    threads run, so the passes they share, and their numbers, do not depend on timing. Here every put
+    into the inbox is followed by a pause in which the engine thread, woken by it, runs: unless it
+    waits for the rest of the submit, it steps the first group alone."""
+
+    class SlowInbox(queue.SimpleQueue):
+        def put(self, item, block=True, timeout=None):
+            super().put(item, block, timeout)
+            time.sleep(0.05)
+
+    engine = Engine(tiny_model, tokenizer, "t", [])
+    engine._inbox = SlowInbox()
+    steps, real_step = [], engine.step
+
+    def step(plan):
+        steps.append(sorted(g.request_id for g in plan.groups))
+        real_step(plan)
+
+    engine.step = step
+    engine.start()
+    try:
+        groups = [SequenceGroup(f"r{i}", [1, 5 + i, 6], SamplingParams(max_tokens=2, temperature=0.0), engine.table)
+                  for i in range(3)]
+        asyncio.run(engine.run_groups(groups))
+    finally:
+        engine.stop()
+    assert steps[0] == ["r0", "r1", "r2"], steps
+    assert all(len(g.sequences[0].token_ids) == 2 for g in groups)
+
+
 def test_abort_ends_the_awaiting_run(tiny_engine):
     """`abort` by request id: the awaiting run raises RequestAborted instead of waiting forever, and the
     engine is left with nothing in flight and serves the next request."""
     request = GenerationRequest("req_abort", [1, 5, 6], SamplingParams(max_tokens=200, temperature=0.0))
 
     async def main():
+        start = tiny_engine.num_steps
         task = asyncio.ensure_future(tiny_engine.run([request]))
-        await asyncio.sleep(0.05)
+        while tiny_engine.num_steps < start + 2:  # running: its prompt and first token are done
+            await asyncio.sleep(0.001)
         tiny_engine.abort("req_abort")
         with pytest.raises(RequestAborted):
             await asyncio.wait_for(task, 10)

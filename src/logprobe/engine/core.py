@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 
 import torch
@@ -48,6 +49,8 @@ class EngineCore:
                                    interleaves=hasattr(runner, "interleaved"))
         self.outputs = OutputProcessor(info.context_length)
         self._inbox: queue.SimpleQueue[SequenceGroup | None] = queue.SimpleQueue()
+        # held while one submit puts its groups: the loop takes them all into one schedule, never part
+        self._submitting = threading.Lock()
         self._stopping = False
         self._alive = lambda: True
         self._looping = False
@@ -130,19 +133,31 @@ class EngineCore:
                 item = self._inbox.get(timeout=left)
             except queue.Empty:
                 return
-            if item is None:  # a stop request's wake-up
+            if self._add_submitted(item):  # a stop request's wake-up was among them
                 return
-            self.scheduler.add(item)
 
     def _drain_inbox(self, block: bool) -> None:
         try:
             item = self._inbox.get(timeout=self.IDLE_WAIT_S) if block else self._inbox.get_nowait()
-            while True:
-                if item is not None:
-                    self.scheduler.add(item)
-                item = self._inbox.get_nowait()
         except queue.Empty:
             return
+        self._add_submitted(item)
+
+    def _add_submitted(self, item: SequenceGroup | None) -> bool:
+        """Hand the scheduler `item` and everything queued after it, waiting first for the rest of the
+        submit it came with (the groups of one request reach the scheduler together, so its passes do
+        not depend on how the threads ran). Whether a stop request's wake-up (None) was among them."""
+        woken = False
+        with self._submitting:
+            while True:
+                if item is None:
+                    woken = True
+                else:
+                    self.scheduler.add(item)
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    return woken
 
     # ---- one step: run, pick, record ------------------------------------------------------------
     def step(self, plan: Plan) -> None:

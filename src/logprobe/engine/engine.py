@@ -153,7 +153,9 @@ class Engine(EngineCore):
             fut = loop.create_future()
             group.on_finish = _resolver(loop, fut)
             futures.append(fut)
-            self._inbox.put(group)
+        with self._submitting:  # the loop takes them together (EngineCore._add_submitted)
+            for group in groups:
+                self._inbox.put(group)
         return futures
 
     async def run_groups(self, groups: list[SequenceGroup]) -> list[SequenceGroup]:
