@@ -3,9 +3,9 @@
 The API hands over `GenerationRequest`s (a prompt's token ids, its sampling parameters, what to return)
 and gets back `GenerationOutput`s (or, streaming, `Delta`s then a `StreamEnd`). Everything here is plain
 data (numpy arrays, strings, numbers): picklable, so it crosses a process boundary as it is (Ray Serve
-replicas, serve/ray_app.py), and free of torch, so `logprobe.api` and `logprobe.output` import without
+replicas, cluster/ray_app.py), and free of torch, so `logprobe.api` and `logprobe.output` import without
 it. `Backend` is what the API needs of a model server; the engine (engine/engine.py) implements it in
-process, `serve.ray_app.RayBackend` through Ray Serve, and the API tests use a fake one.
+process, `cluster.ray_backend.RayBackend` through Ray Serve, and the API tests use a fake one.
 """
 
 from __future__ import annotations

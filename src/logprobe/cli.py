@@ -124,7 +124,7 @@ def serve_replicas(settings: Settings) -> int:
 
     local_ray_environment(joining=bool(settings.ray_address))
     try:
-        from .cluster import ray_app
+        from .cluster import launch, ray_app
     except ImportError as exc:
         print(f"logprobe: --replicas runs on Ray Serve, which is not installed ({exc.name}): "
               "pip install 'logprobe[ray]'", file=sys.stderr)
@@ -134,7 +134,7 @@ def serve_replicas(settings: Settings) -> int:
     except ValueError as exc:
         print(f"logprobe: {exc}", file=sys.stderr)
         return 2
-    return ray_app.run(settings)
+    return launch.run(settings)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,36 +7,34 @@ The application has two deployments:
   takes `GenerationRequest`s and returns `GenerationOutput`s, or streams `Delta`s, all plain picklable
   records. Every second it reports its stats and engine metrics to the `ClusterState` actor.
 - `Ingress` (one by default): the logprobe HTTP app itself (api/app.py: checks, tokenization, formats,
-  errors, keys) on a `RayBackend`, which sends each request to a replica through a Serve handle (Serve
+  errors, keys) on a `RayBackend` (ray_backend.py), which sends each request to a replica through a Serve handle (Serve
   routes it to a replica that has room: `max_ongoing_requests`). Its admission is `SharedAdmission`:
   the token budget is the ClusterState actor's, one for the application.
 
 So the bytes a client gets are made by the same code as in one process; only the engine's work moves.
 A replica that dies under a request ends it with 503 (`unavailable`), streams with the error event;
 the request's tokens go back to its key's budget, and Serve starts a new replica.
+
+`build_application` makes the application from settings; `from_args` from a dict of flags (`serve run`,
+KubeRay); launch.py runs it for `logprobe serve --replicas`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import os
 import sys
 import threading
-import time
 
 import ray
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import Metric
 from prometheus_client.exposition import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.samples import Sample
 from ray import serve
 
-from ..backend import BackendUnavailable, GenerationOutput, GenerationRequest
-from ..config import LOG_FORMAT, Settings, build_parser, configure_logging, log_api_keys, settings_from_args
-from .state import STALE_S, ClusterState, SharedAdmission
+from ..backend import GenerationRequest
+from ..config import LOG_FORMAT, Settings, build_parser, settings_from_args
+from .ray_backend import REPORT_EVERY_S, RayBackend, Refusal
+from .state import ClusterState, SharedAdmission
 
 log = logging.getLogger("logprobe.cluster")
 
@@ -67,7 +65,6 @@ NAMESPACE = "logprobe"
 STATE_ACTOR = "logprobe-cluster-state"
 STATE_CONCURRENCY = 100_000  # the ClusterState actor's calls running at once (Ray's default: 1,000)
 APP_NAME = "logprobe"
-REPORT_EVERY_S = 1.0
 # A replica's engine keeps its cores busy for as long as requests wait. Run at a lower priority (nice
 # 10: about a tenth of a nice-0 process's share of a contended core), it leaves the CPU the Serve proxy,
 # the controller and the ingress need: on 2 cores with 2 replicas at nice 0, the proxy missed three
@@ -101,21 +98,6 @@ def log_like_one_process(level: str) -> None:
         logger.addHandler(handler)
     logger.setLevel(level.upper())
     logger.propagate = False
-
-
-class Refusal:
-    """An API error raised on a replica (its capacity queue is full, or the wait timed out), carried
-    back as data: exceptions with their own constructors do not survive pickling."""
-
-    def __init__(self, exc):
-        self.status, self.message, self.param = exc.status, exc.message, exc.param
-        self.type, self.code, self.headers = exc.type, exc.code, dict(exc.headers or {})
-
-    def error(self):
-        from ..api.errors import APIError
-
-        return APIError(self.message, self.param, status=self.status, code=self.code, type=self.type,
-                        headers=self.headers)
 
 
 # ---- the model replica ------------------------------------------------------------------------------
@@ -205,149 +187,6 @@ class ModelReplica:
             self.admission.release(hold, used=0)
 
 
-# ---- the ingress's backend ---------------------------------------------------------------------------
-
-
-def _replica_gone(exc: BaseException) -> bool:
-    """Whether an error from a handle call means the replica (its process) is gone, not that the request
-    failed there."""
-    gone = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.WorkerCrashedError,
-            ray.exceptions.NodeDiedError, ray.exceptions.ObjectLostError)
-    return isinstance(exc, gone) or isinstance(getattr(exc, "cause", None), gone)
-
-
-GONE = "The model replica serving this request went away ({}); try again."
-
-
-class ReplicaMetrics:
-    """A prometheus_client collector: every replica's engine metrics, from their latest reports, with a
-    `replica` label (one family per metric, every replica's samples in it)."""
-
-    def __init__(self, backend: "RayBackend"):
-        self.backend = backend
-
-    def collect(self):
-        families: dict[str, Metric] = {}
-        for replica, report in sorted(self.backend.snapshot.items()):
-            if report["age"] > STALE_S:
-                continue
-            text = report["metrics"].decode() if isinstance(report["metrics"], bytes) else report["metrics"]
-            for fam in text_string_to_metric_families(text):
-                out = families.get(fam.name)
-                if out is None:
-                    out = families[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
-                out.samples.extend(Sample(s.name, {**s.labels, "replica": replica}, s.value, s.timestamp, s.exemplar)
-                                   for s in fam.samples)
-        return list(families.values())
-
-
-class RayBackend:
-    """The Backend protocol (backend.py) over a Serve handle to the ModelReplica deployment."""
-
-    def __init__(self, handle, state, info, tokenizer, table, target: str):
-        self.handle = handle
-        self.state = state
-        self.info, self.tokenizer, self.table = info, tokenizer, table
-        self.target = target  # "2", or "1:8" when autoscaled
-        self.snapshot: dict = {}
-        self.metrics_collector = ReplicaMetrics(self)
-        self._poller: asyncio.Task | None = None
-        self._responses: dict[str, list] = {}
-
-    # ---- reports
-    def _ensure_polling(self) -> None:
-        if self._poller is None or self._poller.done():
-            self._poller = asyncio.get_running_loop().create_task(self._poll())
-
-    async def _poll(self) -> None:
-        while True:
-            try:
-                self.snapshot = await self.state.snapshot.remote()
-            except Exception:
-                log.warning("reading the replicas' reports failed", exc_info=True)
-            await asyncio.sleep(REPORT_EVERY_S)
-
-    async def refresh(self) -> None:
-        self.snapshot = await self.state.snapshot.remote()
-        self._ensure_polling()
-
-    def stats(self) -> dict:
-        try:
-            self._ensure_polling()
-        except RuntimeError:  # no running loop
-            pass
-        live = {r: rep["stats"] for r, rep in self.snapshot.items() if rep["age"] <= STALE_S}
-        ready = [s for s in live.values() if not s.get("failing")]
-        out = {"in_flight": sum(s["in_flight"] for s in live.values()),
-               "steps": sum(s["steps"] for s in live.values()),
-               "kv_cache_bytes": sum(s["kv_cache_bytes"] for s in live.values()),
-               "prefix_cache_bytes": sum(s.get("prefix_cache_bytes", 0) for s in live.values()),
-               "failing": not ready,
-               "step_failures": sum(s["step_failures"] for s in live.values()),
-               "request_failures": sum(s["request_failures"] for s in live.values()),
-               "replicas": {"ready": len(ready), "reporting": len(live), "target": self.target}}
-        errors = [s["last_error"] for s in live.values() if "last_error" in s]
-        if errors:
-            out["last_error"] = max(errors, key=lambda e: e["at"])
-        return out
-
-    # ---- requests
-    def _track(self, request_id: str, response) -> None:
-        self._responses.setdefault(request_id, []).append(response)
-
-    def _untrack(self, request_id: str, response) -> None:
-        held = self._responses.get(request_id, [])
-        if response in held:
-            held.remove(response)
-        if not held:
-            self._responses.pop(request_id, None)
-
-    @contextlib.contextmanager
-    def _call(self, requests: list[GenerationRequest], response):
-        """A handle call in flight: findable by `abort`, and a replica that died under it is
-        BackendUnavailable (503 `unavailable`) rather than Ray's exception."""
-        request_id = requests[0].request_id if requests else ""
-        self._track(request_id, response)
-        try:
-            yield
-        except Exception as exc:
-            if _replica_gone(exc):
-                raise BackendUnavailable(GONE.format(type(exc).__name__)) from None
-            raise
-        finally:
-            self._untrack(request_id, response)
-
-    async def run(self, requests: list[GenerationRequest]) -> list[GenerationOutput]:
-        response = self.handle.run.remote(requests)
-        with self._call(requests, response):
-            try:
-                result = await response
-            except asyncio.CancelledError:
-                response.cancel()  # Serve cancels the replica's task: the engine drops the requests
-                raise
-        if isinstance(result, Refusal):
-            raise result.error()
-        return result
-
-    async def stream(self, requests: list[GenerationRequest], k: int):
-        response = self.handle.options(stream=True).stream.remote(requests, k)
-        finished = False
-        try:
-            with self._call(requests, response):
-                async for event in response:
-                    if isinstance(event, Refusal):
-                        raise event.error()
-                    yield event
-                finished = True
-        finally:
-            if not finished:
-                response.cancel()
-
-    def abort(self, request_id: str) -> None:
-        for response in list(self._responses.get(request_id, ())):
-            response.cancel()
-
-
 # ---- the ingress ------------------------------------------------------------------------------------
 
 
@@ -383,7 +222,7 @@ class Ingress:
         return self.http_app.state.admission.running
 
 
-# ---- launching ---------------------------------------------------------------------------------------
+# ---- the application ---------------------------------------------------------------------------------
 
 
 def parse_replicas(value: str) -> tuple[int, int]:
@@ -427,17 +266,6 @@ def build_application(settings: Settings):
     return ingress.bind(model.bind(settings), settings, target)
 
 
-def start_ray(settings: Settings) -> None:
-    """Join the cluster at --ray-address, or start a local Ray bound to loopback: Ray picks the machine's
-    network address unless RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 is set before ray is imported, which
-    cli.serve_replicas does (`local_ray_environment`)."""
-    if settings.ray_address:
-        ray.init(address=settings.ray_address, namespace=NAMESPACE, logging_level=logging.WARNING)
-        return
-    ray.init(num_cpus=settings.ray_cpus or os.cpu_count(), include_dashboard=False, namespace=NAMESPACE,
-             logging_level=logging.WARNING)
-
-
 def ensure_state(settings: Settings):
     """The application's ClusterState actor, created by whichever replica asks first (detached: it
     outlives any one replica; Ray restarts it if its process dies, with full budgets). Its calls are
@@ -448,15 +276,6 @@ def ensure_state(settings: Settings):
         name=STATE_ACTOR, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
         max_concurrency=STATE_CONCURRENCY,
     ).remote(settings.admission.tokens_per_minute)
-
-
-def start_state(settings: Settings):
-    """A fresh ClusterState actor (one a previous application left is replaced)."""
-    try:
-        ray.kill(ray.get_actor(STATE_ACTOR, namespace=NAMESPACE))
-    except ValueError:
-        pass
-    return ensure_state(settings)
 
 
 def from_args(args: dict):
@@ -475,62 +294,3 @@ def from_args(args: dict):
     return build_application(settings)
 
 
-def run(settings: Settings) -> int:
-    """`logprobe serve --replicas ...`: start (or join) Ray, deploy, serve until SIGTERM/SIGINT, then
-    drain like one process (new requests 503, running ones finish up to --drain-timeout) and stop."""
-    import signal
-
-    configure_logging(settings.log_level)
-    log_api_keys(settings)
-    start_ray(settings)
-    start_state(settings)
-    serve.start(http_options={"host": settings.host, "port": settings.port},
-                logging_config={"log_level": "WARNING", "enable_access_log": False})
-    logging.getLogger("ray.serve").setLevel(logging.WARNING)
-    signalled = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: signalled.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        handle = serve.run(build_application(settings), name=APP_NAME, route_prefix="/", blocking=False)
-        log.info("ready: serving %s replica(s) of %s on http://%s:%d", settings.replicas,
-                 settings.model or "the bundled model", settings.host, settings.port)
-        while not signalled.wait(0.5):
-            pass
-        log.info("draining (new requests get 503, running ones finish, up to %g s)", settings.admission.drain_timeout)
-        _drain(handle, settings.admission.drain_timeout)
-        return 0
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        _stop(settings)
-
-
-def _drain(handle, timeout: float) -> None:
-    try:
-        running = handle.drain.remote().result(timeout_s=10)
-        deadline = time.monotonic() + timeout
-        while running and time.monotonic() < deadline:
-            time.sleep(0.1)
-            running = handle.running.remote().result(timeout_s=10)
-    except Exception:
-        log.warning("draining the ingress failed", exc_info=True)
-
-
-def _stop(settings: Settings) -> None:
-    """Take the application down, then leave Ray. A local Ray goes with this process, Serve's controller
-    and proxy with it: deleting the application and shutting Ray down, rather than `serve.shutdown()`
-    first, keeps the controller alive while calls to it are in flight (killed under them, Ray reports
-    each as "ServeController.listen_for_change failed ... killed by `ray.kill`"). A joined cluster's
-    Serve instance is shut down, as it was started, by this command."""
-    try:
-        if settings.ray_address:
-            serve.shutdown()
-        else:
-            serve.delete(APP_NAME)
-    except Exception:
-        log.warning("stopping the application failed", exc_info=True)
-    finally:
-        try:
-            ray.kill(ray.get_actor(STATE_ACTOR, namespace=NAMESPACE))
-        except Exception:
-            pass
-        ray.shutdown()
