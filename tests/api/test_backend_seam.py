@@ -450,9 +450,9 @@ def test_a_failing_backend_shows_in_health(tokenizer):
 # ---- the client goes away ------------------------------------------------------------------------
 
 
-async def call_then_leave(app, body: dict, leave_after_first_chunk: bool, wait: float = 0.0) -> list[dict]:
+async def call_then_leave(app, body: dict, leave_after_first_chunk: bool, leave_when=None) -> list[dict]:
     """POST /v1/completions straight through ASGI; the client disconnects after the first body chunk
-    (a stream) or after `wait` seconds. Returns the messages the app sent."""
+    (a stream), or once `leave_when()` holds (polled). Returns the messages the app sent."""
     raw = orjson.dumps(body)
     sent, chunk = [], asyncio.Event()
     asked = 0
@@ -465,7 +465,8 @@ async def call_then_leave(app, body: dict, leave_after_first_chunk: bool, wait: 
         if leave_after_first_chunk:
             await chunk.wait()
         else:
-            await asyncio.sleep(wait)
+            while not leave_when():
+                await asyncio.sleep(0.005)
         return {"type": "http.disconnect"}
 
     async def send(message):
@@ -504,11 +505,12 @@ def test_a_stream_whose_client_left_is_closed(slow):
 
 def test_a_run_whose_client_left_is_cancelled(slow, caplog):
     """... and is charged, logged and counted with the tokens generated until then (its prompt's 2
-    tokens, and about 10 of 200 steps of 10 ms in the 0.1 s before the client left)."""
+    tokens, and the tokens of the steps run before the client left: it leaves after the fifth of 200)."""
     backend, app = slow
     body = {"model": "tiny", "prompt": "x", "max_tokens": 200, "seed": 1}
     with caplog.at_level(logging.INFO, logger="logprobe.access"):
-        sent = asyncio.run(call_then_leave(app, body, leave_after_first_chunk=False, wait=0.1))
+        sent = asyncio.run(call_then_leave(app, body, leave_after_first_chunk=False,
+                                           leave_when=lambda: backend.num_steps >= 5))
     assert sent[0]["status"] == 499
     assert backend.cancelled == [[backend.calls[0].requests[0].request_id]]
     assert backend.stats()["in_flight"] == 0
@@ -552,17 +554,17 @@ def test_a_queued_request_whose_client_left_leaves_the_queue_at_once():
 
     async def main():
         holder = asyncio.ensure_future(call_then_leave(
-            app, {"model": "tiny", "prompt": "x", "max_tokens": 200, "seed": 1}, False, wait=30))
+            app, {"model": "tiny", "prompt": "x", "max_tokens": 200, "seed": 1}, False, leave_when=lambda: False))
         while admission.running != 1:  # the holder is admitted (however long that takes here)
             assert not holder.done(), holder.result()
             await asyncio.sleep(0.01)
         ghost = await call_then_leave(app, {"model": "tiny", "prompt": "x", "max_tokens": 100, "seed": 2},
-                                      False, wait=0.1)
+                                      False, leave_when=lambda: admission.queue_depth == 1)  # once queued
         assert ghost[0]["status"] == 499
         assert not holder.done()  # it left the queue while the holder ran, not when its turn came
         assert admission.queue_depth == 0 and admission.running == 1
         small = await call_then_leave(app, {"model": "tiny", "prompt": "x", "max_tokens": 5, "seed": 3},
-                                      False, wait=30)
+                                      False, leave_when=lambda: False)
         assert small[0]["status"] == 200 and not holder.done()  # admitted beside the holder
         sent = await holder
         assert sent[0]["status"] == 200

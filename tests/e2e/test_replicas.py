@@ -31,7 +31,8 @@ _spec.loader.exec_module(servers)
 MODEL = "smollm2-135m"
 # Two replicas of one torch thread each against one process of two: the same bits all the same (MKL's
 # strict reproducibility mode, set on `import logprobe`; docs/cluster.md, "The same numbers").
-REPLICA_FLAGS = ["--replicas", "2", "--cpus-per-replica", "1", "--ray-cpus", "2", "--alias", "smol"]
+REPLICA_FLAGS = ["--replicas", "2", "--cpus-per-replica", "1", "--ray-cpus", "2", "--alias", "smol",
+                 "--drain-timeout", "600"]
 
 
 @pytest.fixture(scope="module")
@@ -165,6 +166,7 @@ def test_a_replica_killed_under_load(cluster, server):
     before = set(cluster.session_pids_running(b"ModelReplica"))
     assert len(before) == 2
     victim = min(before)
+    reporting_before = _reporting_replicas(cluster.base, want=2)
 
     async def load():
         outcomes, killed_at = [], None
@@ -174,8 +176,8 @@ def test_a_replica_killed_under_load(cluster, server):
                     outcomes.append((time.monotonic(), await _one(client, cluster.base, i % 2 == 0, expected)))
 
             tasks = [asyncio.create_task(worker(i)) for i in range(12)]
-            while len(outcomes) < 6:  # answers flow (at any speed), and 66 requests are still to come
-                await asyncio.sleep(0.05)
+            while len(outcomes) < 6 and not any(t.done() for t in tasks):  # answers flow (at any speed),
+                await asyncio.sleep(0.05)  # and 66 requests are still to come
             os.kill(victim, signal.SIGKILL)
             killed_at = time.monotonic()
             await asyncio.wait_for(asyncio.gather(*tasks), 300)
@@ -187,32 +189,47 @@ def test_a_replica_killed_under_load(cluster, server):
     assert "unavailable" in kinds  # the dead replica had requests
     assert any(o == "ok" and t > killed_at for t, o in outcomes)  # the other kept answering
 
-    deadline = time.time() + 120
+    # the victim's last report counts for STALE_S after it died: wait for two reporting replicas, one of
+    # them new (Serve's replacement), and both processes up
+    deadline = time.time() + 300
     while time.time() < deadline:
-        health = httpx.get(cluster.base + "/health", timeout=10).json()
         now = set(cluster.session_pids_running(b"ModelReplica"))
-        if victim not in now and len(now) == 2 and health["replicas"]["ready"] == 2:
+        reporting = _reporting_replicas(cluster.base)
+        if victim not in now and len(now) == 2 and len(reporting) == 2 and reporting - reporting_before:
             break
         time.sleep(1)
     assert victim not in now and len(now) == 2, now
-    assert health["status"] == "ready" and health["tokens_held"] == 0 and health["requests_running"] == 0
-    (newcomer,) = now - before
+    assert len(reporting) == 2 and len(reporting - reporting_before) == 1, (reporting, reporting_before)
+    (newcomer,) = reporting - reporting_before
+    health = httpx.get(cluster.base + "/health", timeout=60).json()
+    assert health["status"] == "ready" and health["replicas"]["ready"] == 2
+    assert health["tokens_held"] == 0 and health["requests_running"] == 0
 
-    async def after():  # the new replica takes traffic: steps on its pid grow
+    async def after():  # the new replica takes traffic: its steps grow (Serve routes to it once it runs)
         async with httpx.AsyncClient(timeout=120) as client:
-            return await asyncio.gather(*[_one(client, cluster.base, False, expected) for _ in range(16)])
+            deadline = time.time() + 300
+            while time.time() < deadline:
+                answers = await asyncio.gather(*[_one(client, cluster.base, False, expected) for _ in range(8)])
+                assert answers == ["ok"] * 8
+                if _reporting_replicas(cluster.base, busy=True) >= {newcomer}:
+                    return True
+                await asyncio.sleep(1)
+        return False
 
-    assert asyncio.run(after()) == ["ok"] * 16
-    deadline = time.time() + 15
-    while time.time() < deadline:
-        text = httpx.get(cluster.base + "/metrics", timeout=10).text
-        if len(set(re.findall(r'^logprobe_engine_step_seconds_count\{replica="([^"]+)"\} [1-9]', text, re.M))) >= 2:
-            break
-        time.sleep(1)
-    health = httpx.get(cluster.base + "/health", timeout=10).json()
-    assert health["replicas"]["reporting"] == 2 and newcomer in set(cluster.session_pids_running(b"ModelReplica"))
-    busy = re.findall(r'^logprobe_engine_step_seconds_count\{replica="([^"]+)"\} ([0-9.]+)$', text, re.M)
-    assert sum(1 for _, v in busy if float(v) > 0) == 2, busy
+    assert asyncio.run(after())
+
+
+def _reporting_replicas(base: str, want: int = 0, busy: bool = False) -> set[str]:
+    """The replicas whose reports count (/metrics labels; `busy`: those that have run a step), waiting
+    until there are `want` of them."""
+    deadline = time.time() + 300
+    while True:
+        text = httpx.get(base + "/metrics", timeout=60).text
+        steps = re.findall(r'^logprobe_engine_step_seconds_count\{replica="([^"]+)"\} ([0-9.]+)$', text, re.M)
+        found = {replica for replica, count in steps if not busy or float(count) > 0}
+        if len(found) >= want or time.time() > deadline:
+            return found
+        time.sleep(0.5)
 
 
 def test_a_client_that_leaves_stops_its_work_on_the_replica(cluster):
@@ -344,15 +361,18 @@ def test_sigterm_drains_the_application(cluster):
     """Last (it stops the module's cluster): a running stream finishes, a new request gets the 503
     envelope, the command exits 0 and leaves no Ray process behind, and stopping prints no alarm
     (Ray's "ServeController... failed ... killed by `ray.kill`" once came three times)."""
-    body = {"model": MODEL, "prompt": "Count: 1, 2,", "max_tokens": 48, "temperature": 0, "stream": True}
+    # a stream that outlasts the wait for the drain on any machine: no end of text, and 600 s to finish
+    body = {"model": MODEL, "prompt": "Count: 1, 2,", "max_tokens": 400, "temperature": 0, "stream": True,
+            "logit_bias": {"0": -100, "2": -100}}
 
     async def main():
-        async with httpx.AsyncClient(timeout=120) as client:
+        async with httpx.AsyncClient(timeout=600) as client:
             async with client.stream("POST", cluster.base + "/v1/completions", json=body) as r:
                 lines = r.aiter_lines()
                 first = await anext(lines)
                 cluster.proc.send_signal(signal.SIGTERM)
-                await asyncio.sleep(1.5)
+                while (await client.get(cluster.base + "/health")).json()["status"] != "draining":
+                    await asyncio.sleep(0.1)  # the command has reached the ingress
                 refused = await client.post(cluster.base + "/v1/completions",
                                             json={"model": MODEL, "prompt": "x", "max_tokens": 1})
                 rest = [line async for line in lines if line]

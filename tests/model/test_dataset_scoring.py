@@ -312,10 +312,11 @@ def test_remote_retries_and_refusals(monkeypatch):
 
     waits, calls = [], []
 
-    async def no_sleep(seconds):
+    async def no_sleep(self, seconds):
         waits.append(seconds)
 
-    monkeypatch.setattr(remote.asyncio, "sleep", no_sleep)
+    # the scorer's own waits between attempts only (asyncio.sleep itself serves httpx, anyio and the rest)
+    monkeypatch.setattr(remote.RemoteScorer, "_back_off", no_sleep)
     answers = [httpx.Response(429, headers={"Retry-After": "7"}, json={"error": {"message": "busy"}}),
                httpx.Response(503, json={"error": {"message": "draining"}}),
                httpx.Response(200, json={"data": [{"num_tokens": 1, "logprob": -1.5, "mean_logprob": -1.5,

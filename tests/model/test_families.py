@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import threading
 
 import numpy as np
 import pytest
@@ -267,11 +268,24 @@ def test_chunked_prefill_across_the_window(kind, models, tokenizer, monkeypatch)
     short = make(engine, prompt(4), max_tokens=40, temperature=0, logprobs=1)
     long = make(engine, prompt(40), max_tokens=6, temperature=0, logprobs=2, echo=True)
 
+    # the short request's first step holds the engine thread until the long prompt is queued: it is then
+    # prefilled beside the short one's decoding, however fast either runs
+    short_decoding, long_queued = threading.Event(), threading.Event()
+
+    def on_step(group):
+        if len(group.sequences[0].token_ids) == 1:
+            short_decoding.set()
+            long_queued.wait(600)
+
+    short.on_step = on_step
+
     async def both():
         first = engine.submit([short])
-        while not short.sequences[0].token_ids:
-            await asyncio.sleep(0.005)
-        await asyncio.gather(*first, *engine.submit([long]))
+        while not short_decoding.is_set():
+            await asyncio.sleep(0.001)
+        later = engine.submit([long])
+        long_queued.set()
+        await asyncio.gather(*first, *later)
 
     engine.start()
     try:

@@ -199,8 +199,9 @@ def test_a_broken_engine_says_so(fresh, monkeypatch):
     monkeypatch.setattr(engine.runner, "prefill_chunks", broken)
     r = client.post("/v1/completions", json={"model": "long", "prompt": [5, 6], "max_tokens": 3})
     assert r.status_code == 500
-    time.sleep(1.5)  # past the idle wait: the self-check has run, and failed too
-    r = client.get("/health")
+    deadline = time.monotonic() + 300
+    while (r := client.get("/health")).json()["engine_failures"]["steps"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)  # past the idle wait, the self-check runs, and fails too
     assert r.status_code == 503
     body = r.json()
     assert body["status"] == "failing" and body["last_error"]["type"] == "ValueError"

@@ -131,8 +131,12 @@ class RemoteScorer:
                 wait = max(wait, _retry_after(r))
             if attempt == self.max_attempts:
                 raise DatasetError(f"gave up after {attempt} attempts: {problem}")
-            await asyncio.sleep(wait)
+            await self._back_off(wait)
         raise AssertionError("unreachable")
+
+    async def _back_off(self, seconds: float) -> None:
+        """The wait before a request's next attempt (tests record it instead)."""
+        await asyncio.sleep(seconds)
 
     async def _name_tops(self, client, records) -> None:
         """Token strings of the top ids: the server's own, asked once per id (a one-token score each)."""
