@@ -32,7 +32,6 @@ import shutil
 import subprocess
 import sys
 import tomllib
-import venv
 from pathlib import Path
 
 from packaging.requirements import Requirement

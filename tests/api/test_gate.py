@@ -9,7 +9,6 @@ import logging
 import re
 import time
 
-import orjson
 import pytest
 from fastapi.testclient import TestClient
 
