@@ -157,61 +157,93 @@ async def _one(client: httpx.AsyncClient, base: str, stream: bool, expected: dic
     return "ok" if text == expected["text"] else f"wrong streamed text {text!r}"
 
 
+# SmolLM2's <|endoftext|> and <|im_end|> banned: a generation that only max_tokens or its client ends
+NO_END = {"0": -100, "2": -100}
+
+
 def test_a_replica_killed_under_load(cluster, server):
-    """kill -9 one replica while 12 clients keep both busy: requests on the other replica are answered
-    correctly, those on the dead one end with 503 `unavailable` (streams with the error event), every
-    held token is given back, Serve starts a new replica, and it takes traffic."""
+    """kill -9 one replica while both hold a long stream and 12 clients keep them busy: requests on the
+    other replica are answered correctly, those on the dead one end with 503 `unavailable` (streams with
+    the error event), every held token is given back, Serve starts a new replica, and it takes traffic."""
     expected = httpx.post(server + "/v1/completions", json={"model": MODEL, "prompt": "The quick brown fox",
                           "max_tokens": 24, "temperature": 0, "logprobs": 1}, timeout=60).json()["choices"][0]
     before = set(cluster.session_pids_running(b"ModelReplica"))
     assert len(before) == 2
     victim = min(before)
-    reporting_before = _reporting_replicas(cluster.base, want=2)
+    idle = _quiet_step_counts(cluster.base)
+    assert len(idle) == 2, idle
+
+    async def both_holding(polls: int) -> bool:
+        """Whether both replicas have stepped since they were quiet: each holds a long stream, since
+        nothing else has been sent to them."""
+        for _ in range(polls):
+            counts = await asyncio.to_thread(_step_counts, cluster.base)
+            if sum(counts.get(r, 0) > n for r, n in idle.items()) == 2:
+                return True
+            await asyncio.sleep(1.0)
+        return False
 
     async def load():
-        outcomes, killed_at = [], None
-        async with httpx.AsyncClient(timeout=120) as client:
+        outcomes, killed_at, leave = [], None, asyncio.Event()
+        async with httpx.AsyncClient(timeout=600) as client:
+            # long streams, one at a time, until both replicas hold one: whichever dies has a request on it
+            holders = []
+            for _ in range(8):
+                started = asyncio.Event()
+                holders.append(asyncio.create_task(_held_stream(client, cluster.base, started, leave)))
+                await asyncio.wait([holders[-1], asyncio.create_task(started.wait())],
+                                   return_when=asyncio.FIRST_COMPLETED)
+                assert not holders[-1].done(), holders[-1].result()
+                if await both_holding(polls=5):
+                    break
+            else:
+                assert await both_holding(polls=300)
+
             async def worker(i):
                 for _ in range(6):  # bounded: at most 6 requests a client
                     outcomes.append((time.monotonic(), await _one(client, cluster.base, i % 2 == 0, expected)))
 
             tasks = [asyncio.create_task(worker(i)) for i in range(12)]
-            while len(outcomes) < 6 and not any(t.done() for t in tasks):  # answers flow (at any speed),
-                await asyncio.sleep(0.05)  # and 66 requests are still to come
+            while len(outcomes) < 6 and not any(t.done() for t in tasks):  # answers flow (at any speed)
+                await asyncio.sleep(0.05)
+            assert not any(h.done() for h in holders)
             os.kill(victim, signal.SIGKILL)
             killed_at = time.monotonic()
-            await asyncio.wait_for(asyncio.gather(*tasks), 300)
-        return outcomes, killed_at
+            await asyncio.wait_for(asyncio.gather(*tasks), 600)
+            leave.set()
+            held = await asyncio.wait_for(asyncio.gather(*holders), 600)
+        return outcomes, killed_at, held
 
-    outcomes, killed_at = asyncio.run(load())
+    outcomes, killed_at, held = asyncio.run(load())
+    assert "unavailable" in held and set(held) <= {"unavailable", "left"}, held  # the victim's ended
     kinds = [o for _, o in outcomes]
     assert set(kinds) <= {"ok", "unavailable"}, [k for k in kinds if k not in ("ok", "unavailable")][:5]
-    assert "unavailable" in kinds  # the dead replica had requests
     assert any(o == "ok" and t > killed_at for t, o in outcomes)  # the other kept answering
 
     # the victim's last report counts for STALE_S after it died: wait for two reporting replicas, one of
-    # them new (Serve's replacement), and both processes up
+    # them new (Serve's replacement), both processes up, and every hold given back
     deadline = time.time() + 300
     while time.time() < deadline:
         now = set(cluster.session_pids_running(b"ModelReplica"))
-        reporting = _reporting_replicas(cluster.base)
-        if victim not in now and len(now) == 2 and len(reporting) == 2 and reporting - reporting_before:
+        reporting = set(_step_counts(cluster.base))
+        health = httpx.get(cluster.base + "/health", timeout=60).json()
+        if (victim not in now and len(now) == 2 and len(reporting) == 2 and reporting - set(idle)
+                and health["tokens_held"] == 0 and health["requests_running"] == 0):
             break
         time.sleep(1)
     assert victim not in now and len(now) == 2, now
-    assert len(reporting) == 2 and len(reporting - reporting_before) == 1, (reporting, reporting_before)
-    (newcomer,) = reporting - reporting_before
-    health = httpx.get(cluster.base + "/health", timeout=60).json()
+    assert len(reporting) == 2 and len(reporting - set(idle)) == 1, (reporting, idle)
+    (newcomer,) = reporting - set(idle)
     assert health["status"] == "ready" and health["replicas"]["ready"] == 2
     assert health["tokens_held"] == 0 and health["requests_running"] == 0
 
     async def after():  # the new replica takes traffic: its steps grow (Serve routes to it once it runs)
-        async with httpx.AsyncClient(timeout=120) as client:
+        async with httpx.AsyncClient(timeout=600) as client:
             deadline = time.time() + 300
             while time.time() < deadline:
                 answers = await asyncio.gather(*[_one(client, cluster.base, False, expected) for _ in range(8)])
                 assert answers == ["ok"] * 8
-                if _reporting_replicas(cluster.base, busy=True) >= {newcomer}:
+                if (await asyncio.to_thread(_step_counts, cluster.base)).get(newcomer, 0) > 0:
                     return True
                 await asyncio.sleep(1)
         return False
@@ -219,35 +251,84 @@ def test_a_replica_killed_under_load(cluster, server):
     assert asyncio.run(after())
 
 
-def _reporting_replicas(base: str, want: int = 0, busy: bool = False) -> set[str]:
-    """The replicas whose reports count (/metrics labels; `busy`: those that have run a step), waiting
-    until there are `want` of them."""
+async def _held_stream(client: httpx.AsyncClient, base: str, started: asyncio.Event, leave: asyncio.Event) -> str:
+    """A stream of 4,000 tokens that nothing but its client or its replica's death ends: "unavailable"
+    (the error event), "left" (its client left once `leave` was set), or what else came."""
+    body = {"model": MODEL, "prompt": "Once", "max_tokens": 4000, "temperature": 0, "stream": True,
+            "logit_bias": NO_END}
+    async with client.stream("POST", base + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            return f"stream {r.status_code}"
+        async for line in r.aiter_lines():
+            if not line:
+                continue
+            if line == "data: [DONE]":
+                return "finished"
+            event = orjson.loads(line[len("data: "):])
+            if "error" in event:
+                error = event["error"]
+                return "unavailable" if (error["type"], error["code"]) == ("server_error", "unavailable") else str(error)
+            started.set()
+            if leave.is_set():
+                return "left"
+    return "stream without [DONE]"
+
+
+def _step_counts(base: str) -> dict[str, float]:
+    """Each reporting replica's engine steps (/metrics, labelled by replica)."""
+    text = httpx.get(base + "/metrics", timeout=60).text
+    return {replica: float(count) for replica, count in
+            re.findall(r'^logprobe_engine_step_seconds_count\{replica="([^"]+)"\} ([0-9.]+)$', text, re.M)}
+
+
+def _quiet_step_counts(base: str) -> dict[str, float]:
+    """The replicas' step counts once nothing runs: no request held, and the same counts in reports
+    taken more than two report periods apart (a report read just before may lag the last steps)."""
     deadline = time.time() + 300
-    while True:
-        text = httpx.get(base + "/metrics", timeout=60).text
-        steps = re.findall(r'^logprobe_engine_step_seconds_count\{replica="([^"]+)"\} ([0-9.]+)$', text, re.M)
-        found = {replica for replica, count in steps if not busy or float(count) > 0}
-        if len(found) >= want or time.time() > deadline:
-            return found
-        time.sleep(0.5)
+    last = None
+    while time.time() < deadline:
+        health = httpx.get(base + "/health", timeout=60).json()
+        counts = _step_counts(base)
+        if health["requests_running"] == 0 and health["in_flight"] == 0 and counts == last and len(counts) == 2:
+            return counts
+        last = counts
+        time.sleep(2.5)
+    return last or {}
 
 
 def test_a_client_that_leaves_stops_its_work_on_the_replica(cluster):
     """Closing a stream (and a plain request) early cancels the replica's work through Serve: the engines
     hold nothing a moment later, long before the 2000 tokens asked for would have been generated."""
-    body = {"model": MODEL, "prompt": "Once", "max_tokens": 2000, "temperature": 0, "stream": True}
-    with httpx.stream("POST", cluster.base + "/v1/completions", json=body, timeout=60) as r:
+    body = {"model": MODEL, "prompt": "Once", "max_tokens": 2000, "temperature": 0, "stream": True,
+            "logit_bias": NO_END}
+
+    def emptied() -> dict:
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            time.sleep(0.5)
+            health = httpx.get(cluster.base + "/health", timeout=60).json()
+            if health["in_flight"] == 0 and health["requests_running"] == 0 and health["tokens_held"] == 0:
+                break
+        return health
+
+    with httpx.stream("POST", cluster.base + "/v1/completions", json=body, timeout=600) as r:
         lines = r.iter_lines()
         for _ in range(5):
             next(lines)
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(cluster.base + "/v1/completions", json={**body, "stream": False}, timeout=2)
-    deadline = time.time() + 15
-    while time.time() < deadline:
-        time.sleep(1)
-        health = httpx.get(cluster.base + "/health", timeout=10).json()
-        if health["in_flight"] == 0 and health["requests_running"] == 0 and health["tokens_held"] == 0:
-            break
+    health = emptied()
+    assert (health["in_flight"], health["requests_running"], health["tokens_held"]) == (0, 0, 0), health
+
+    async def leave_a_plain_request():
+        async with httpx.AsyncClient(timeout=600) as client:
+            call = asyncio.create_task(client.post(cluster.base + "/v1/completions", json={**body, "stream": False}))
+            while (await client.get(cluster.base + "/health")).json()["in_flight"] < 1:  # on a replica
+                assert not call.done(), call.result().text
+                await asyncio.sleep(0.05)
+            assert not call.done()
+            call.cancel()
+
+    asyncio.run(leave_a_plain_request())
+    health = emptied()
     assert (health["in_flight"], health["requests_running"], health["tokens_held"]) == (0, 0, 0), health
 
 

@@ -141,7 +141,9 @@ def test_budget_waiter_is_woken_by_the_refill_and_does_not_block_other_keys():
         adm = Admission(capacity=100_000, tokens_per_minute=60_000, queue_timeout=5)  # real clock: 1000 tok/s
         h = await adm.acquire("a", 60_000)
         waiting = asyncio.ensure_future(adm.acquire("a", 500))  # 0.5 s of refill from the first hold
-        other = await adm.acquire("b", 10)
+        while adm.queue_depth != 1:  # 'a' waits in the queue
+            await asyncio.sleep(0)
+        other = await adm.acquire("b", 10)  # had it waited behind 'a', 'a' would be done first
         assert not waiting.done()  # 'b' was served while 'a' waited: not behind it
         got = await asyncio.wait_for(waiting, 60)
         assert got.queue_seconds > 0.3

@@ -97,28 +97,43 @@ def test_the_shared_budget_answers_as_one_process():
 
 
 def test_a_short_wait_for_the_budget_is_served_in_order():
-    """A request that needs a refill of less than queue_timeout waits for it (real time), and requests of
-    one key take turns; another key does not wait behind them."""
-    state = ClusterState(6000)  # 100 tokens a second
+    """A request that needs a refill of less than queue_timeout waits for it (the actor's timer wakes the
+    line at the refill time), and requests of one key take turns; another key does not wait behind them.
+    The bucket's clock moves only when the test moves it, so nothing here depends on speed."""
+    clock = Clock()
+    state = ClusterState(6000, clock=clock)  # 100 tokens a second
+
+    async def until(take):
+        while not take.done():
+            await asyncio.sleep(0.01)
 
     async def main():
-        assert (await state.take("a", 5900, 1.0))["kind"] == "ok"
-        loop = asyncio.get_running_loop()
-        t0, served = loop.time(), []
+        assert (await state.take("a", 5900, 1.0))["kind"] == "ok"  # 100 left
+        served = []
         first = asyncio.ensure_future(state.take("a", 120, 30.0))  # needs 0.2 s of refill
         second = asyncio.ensure_future(state.take("a", 60, 30.0))  # then 0.6 s more
         for name, take in (("first", first), ("second", second)):
             take.add_done_callback(lambda _, name=name: served.append(name))
-        other = await state.take("b", 6000, 1.0)
-        other_first = not first.done() and not second.done()
-        results = await asyncio.gather(first, second)
-        return other, other_first, served, results, loop.time() - t0
+        await _settle()
+        assert len(state._lines["a"].interactive) == 2  # both wait in key a's line
+        other = await state.take("b", 6000, 1.0)  # had it waited behind them, they would be served first
+        assert other["kind"] == "ok" and not first.done() and not second.done()
+        await asyncio.sleep(0.5)  # the line's timer fires (every 0.2 s), but no time has passed for the bucket
+        assert served == []
+        clock.now += 0.19
+        await asyncio.sleep(0.5)
+        assert served == []  # 19 of the 20 tokens: not yet
+        clock.now += 0.02
+        await until(first)
+        assert served == ["first"]  # the second waits for its own refill
+        clock.now += 0.61
+        await until(second)
+        return served, [first.result()["kind"], second.result()["kind"]]
 
-    other, other_first, served, results, total = asyncio.run(main())
-    assert other["kind"] == "ok" and other_first  # key b took its budget while key a's takes waited
-    assert [r["kind"] for r in results] == ["ok", "ok"] and served == ["first", "second"]
-    assert total > 0.79  # 180 tokens beyond the 100 left, at 100 a second: no sooner
-    assert (asyncio.run(state.take("a", 6000, 0.1)))["kind"] == "too_long"
+    served, kinds = asyncio.run(main())
+    assert served == ["first", "second"] and kinds == ["ok", "ok"]
+    assert asyncio.run(state.take("a", 6000, 0.1))["kind"] == "too_long"
+    assert not state._lines
 
 
 async def _settle():
@@ -255,7 +270,7 @@ def test_a_request_cancelled_while_it_waits_for_the_budget_takes_nothing(answere
     call_cancelled = asyncio.run(main())
     assert state.given_back == ([("k", 300)] if answered else [])
     assert call_cancelled is not answered
-    assert (shared.running, shared.held, shared.queue_depth) == (0, 0, 0)
+    assert (shared.running, shared.held, shared.queue_depth, len(shared._withdrawals)) == (0, 0, 0, 0)
 
 
 def test_a_drained_ingress_refuses_and_gives_the_budget_back():
