@@ -294,7 +294,7 @@ def test_rows_leaving_from_different_classes(engine4, llama):
     real_select = engine.runner.select
 
     def select(group, keep):
-        selects.append((len(group.rows), len(keep)))
+        selects.append((len(engine.runner.rows_of(group)), len(keep)))
         real_select(group, keep)
 
     moves = Moves(lambda: engine.runner.cache)

@@ -219,7 +219,7 @@ def test_inconsistent_cache_after_a_request_failure_is_rebuilt(fresh, monkeypatc
 
     def losing_expand(group, rows):
         real(group, rows)
-        engine.runner.cache.slabs[group.rows[-1].slab].rows.pop()  # corrupt the shared bookkeeping
+        engine.runner.cache.slabs[engine.runner.rows_of(group)[-1].slab].rows.pop()  # corrupt the shared bookkeeping
 
     monkeypatch.setattr(engine.runner, "expand", losing_expand)
     r = client.post("/v1/completions", json={"model": "long", "prompt": [5, 6], "max_tokens": 5})
@@ -243,9 +243,9 @@ def test_hf_runner_uses_this_transformers_cache_keyword(tiny_model, tokenizer):
     table = TokenTable.build(tokenizer, len(tokenizer))
     group = SequenceGroup("t", [5, 6, 7, 8], SamplingParams(max_tokens=2), table)
     runner.prefill(group)
-    assert group.cache.get_seq_length() == 4
+    assert runner.caches[group].get_seq_length() == 4
     runner.decode(group, [9])
-    assert group.cache.get_seq_length() == 5
+    assert runner.caches[group].get_seq_length() == 5
     runner.cache_kw = "a_keyword_nobody_reads"
     with pytest.raises(CacheIgnored):
         runner.prefill(SequenceGroup("t", [5, 6], SamplingParams(max_tokens=2), table))

@@ -29,8 +29,13 @@ class EngineMetrics:
                                     buckets=BATCH, registry=r)
         self.kv_cache_bytes = Gauge("logprobe_kv_cache_bytes", "Bytes allocated to the batched KV cache", labels,
                                     registry=r)
-        self.prefix_cache_bytes = Gauge("logprobe_prefix_cache_bytes", "Bytes held by the prefix cache of "
-                                        "prompt-only requests (--prefix-cache-mb)", labels, registry=r)
+        self.prefix_cache_bytes = Gauge("logprobe_prefix_cache_bytes", "Bytes held by the prefix cache "
+                                        "(--prefix-cache-mb)", labels, registry=r)
+        # counts since start, read from the engine at scrape time (as the grammar cache's)
+        prefix_counts = {key: Gauge(f"logprobe_prefix_cache_{key}", help_text, labels, registry=r) for key, help_text in (
+            ("hits", "Prompts that found a kept prefix (prefix cache)"),
+            ("misses", "Prompts that found none (prefix cache misses)"),
+            ("tokens_saved", "Prompt tokens a kept prefix spared the blocks"))}
         self.engine_failures = Counter("logprobe_engine_failures", "Engine failures: 'step' (a shared pass failed; "
                                        "its requests failed and shared state was rebuilt) or 'request' (one "
                                        "request's own work failed)", ["kind", *labels], registry=r)
@@ -44,6 +49,8 @@ class EngineMetrics:
             pick(self.engine_in_flight).set_function(lambda f=model_stats: f()["in_flight"])
             pick(self.kv_cache_bytes).set_function(lambda f=model_stats: f()["kv_cache_bytes"])
             pick(self.prefix_cache_bytes).set_function(lambda f=model_stats: f().get("prefix_cache_bytes", 0))
+            for key, gauge in prefix_counts.items():
+                pick(gauge).set_function(lambda f=model_stats, key=key: f().get(f"prefix_cache_{key}", 0))
             self._children[name] = (pick(self.step_seconds), pick(self.batch_rows), labels and [name] or [])
 
     def observers(self, model=None):

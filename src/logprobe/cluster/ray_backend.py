@@ -114,7 +114,8 @@ class RayBackend:
         out = {"in_flight": sum(s["in_flight"] for s in live.values()),
                "steps": sum(s["steps"] for s in live.values()),
                "kv_cache_bytes": sum(s["kv_cache_bytes"] for s in live.values()),
-               "prefix_cache_bytes": sum(s.get("prefix_cache_bytes", 0) for s in live.values()),
+**{key: sum(s.get(key, 0) for s in live.values()) for key in
+                  ("prefix_cache_bytes", "prefix_cache_hits", "prefix_cache_misses", "prefix_cache_tokens_saved")},
                "failing": not ready,
                "step_failures": sum(s["step_failures"] for s in live.values()),
                "request_failures": sum(s["request_failures"] for s in live.values()),

@@ -21,6 +21,7 @@ import torch
 from ..backend import ModelInfo, RequestAborted
 from ..tokens import TokenTable
 from .captures import capture_finished
+from .contract import Runner
 from .grammar_masks import GrammarMasks
 from .health import EngineHealth
 from .heap import trim_heap
@@ -39,14 +40,15 @@ log = logging.getLogger("logprobe.engine")
 class EngineCore:
     IDLE_WAIT_S = 0.5  # an empty inbox for this long after work is "idle"
 
-    def __init__(self, runner, info: ModelInfo, table: TokenTable, check_ids: list[int]):
+    def __init__(self, runner: Runner, info: ModelInfo, table: TokenTable, check_ids: list[int]):
+        if not isinstance(runner, Runner):
+            raise TypeError(f"{type(runner).__name__} does not implement the runner contract (engine/contract.py)")
         self.runner = runner
         self.info = info
         self.table = table
         # a runner that prefills in chunks says how many tokens it takes per step beside decoding rows; one
-        # that can stop between its blocks (`interleaved`) lets interactive steps into a batch pass
-        self.scheduler = Scheduler(prefill_chunk_tokens=getattr(runner, "PREFILL_CHUNK", None),
-                                   interleaves=hasattr(runner, "interleaved"))
+        # that can stop between its blocks lets interactive steps into a batch pass
+        self.scheduler = Scheduler(prefill_chunk_tokens=runner.prefill_chunk_tokens, interleaves=runner.interleaves)
         self.outputs = OutputProcessor(info.context_length)
         self._inbox: queue.SimpleQueue[SequenceGroup | None] = queue.SimpleQueue()
         # held while one submit puts its groups: the loop takes them all into one schedule, never part
@@ -205,9 +207,11 @@ class EngineCore:
         self._record(group, logprob_rows, pick)
         self._after_step(group)
 
-    def _record(self, group: SequenceGroup, logprob_rows: torch.Tensor, pick: Pick | None) -> None:
+    def _record(self, group: SequenceGroup, logprob_rows: torch.Tensor, pick: Pick | None,
+                expanded: bool = True) -> None:
         """Hand the rows' pick to the output processor (picking them first for a request that asked for
-        instruments or steers its draw); the runner drops the rows of the sequences that finished."""
+        instruments or steers its draw); the runner drops the rows of the sequences that finished
+        (`expanded`: the group holds rows already; its first pick comes before them)."""
         if pick is None:
             seeds = [group.sequences[i].next_seed() for i in group.active_rows]
             steering, masks = steering_of(group, logprob_rows)
@@ -215,7 +219,7 @@ class EngineCore:
                                          steering, masks)
         num_rows = len(group.active_rows)
         keep = self.outputs.record(group, pick)
-        if keep and len(keep) < num_rows:
+        if expanded and keep and len(keep) < num_rows:
             self.runner.select(group, keep)
 
     def _prefill(self, chunks: list[Chunk]) -> None:
@@ -230,9 +234,10 @@ class EngineCore:
             self.outputs.start_decoding(group)
             if group.params.constraint is not None:  # each choice's grammar, and its first mask
                 self.grammar_masks.begin(group, self.new_grammar_state)
-            self.runner.expand(group, len(group.active_rows))
             rows = logprob_rows.expand(len(group.active_rows), -1)
-            self._record(group, rows, pick_plain_groups([group], [rows])[0])
+            self._record(group, rows, pick_plain_groups([group], [rows])[0], expanded=False)
+            if not group.is_finished:  # rows for the choices that go on (none for a one-token answer)
+                self.runner.expand(group, len(group.active_rows))
         self.scheduler.prefilled(group)
         self._after_step(group)
 
@@ -256,14 +261,11 @@ class EngineCore:
         self._drain_inbox(block=False)
         if not self.scheduler.has_interactive_work:
             return
-        self.runner.between_blocks = None
-        try:
+        with self.runner.interleaving_paused():
             plan = self.scheduler.schedule(interactive_only=True)
             self._finish_dropped()
             if plan is not None:
                 self._run_step(plan)
-        finally:
-            self.runner.between_blocks = self._interactive_step
 
     def _grow_tree(self, tree) -> None:
         grow_tree(self.runner, tree, self.new_grammar_state)

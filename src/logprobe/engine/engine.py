@@ -225,7 +225,7 @@ class Engine(EngineCore):
 
     def stats(self) -> dict:
         return {"in_flight": self.num_in_flight, "steps": self.num_steps,
-                "kv_cache_bytes": self.runner.kv_cache_bytes, "prefix_cache_bytes": self.runner.prefix_cache_bytes,
+                **self.runner.cache_stats(),
                 **self.health}
 
     @contextlib.contextmanager

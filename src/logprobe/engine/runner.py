@@ -55,6 +55,7 @@ class ModelRunner:
         self.softcap = getattr(self.config, "final_logit_softcapping", None)
         self.cache_kw = cache_keyword(self.decoder)
         self.columns = PromptColumnWriter(self.logprobs_of, self.vocab_size)
+        self.caches: dict[SequenceGroup, DynamicCache] = {}  # each running group's cache (transformers')
 
     @contextlib.contextmanager
     def edited(self, edit, positions: torch.Tensor):
@@ -103,7 +104,7 @@ class ModelRunner:
         with self.edited(segment_editor([(0, 0, ids.shape[1], group.edits)]), positions):
             hidden = self.decoder(input_ids=ids, use_cache=True, **{self.cache_kw: cache}).last_hidden_state[0]  # [P, D]
         check_cache_length(cache, ids.shape[1])
-        group.cache = cache
+        self.caches[group] = cache
         if group.params.needs_prompt_logits:
             group.prompt_columns = self.columns.whole(hidden, ids[0], group.params)
         return self.logprobs_of(hidden[-1:])
@@ -114,7 +115,7 @@ class ModelRunner:
         fills each group's prompt columns. No KV cache is kept: nothing is generated."""
         if len(groups) == 1:
             self.prefill(groups[0])
-            groups[0].cache = None
+            self.caches.pop(groups[0], None)
             return
         longest = max(g.num_prompt_tokens for g in groups)
         ids = torch.zeros((len(groups), longest), dtype=torch.long, device=self.device)
@@ -135,12 +136,13 @@ class ModelRunner:
     def decode(self, group: SequenceGroup, last_tokens: list[int]) -> torch.Tensor:
         """One decode step for the group's active rows; returns their log probabilities [B, V]."""
         ids = torch.tensor(last_tokens, dtype=torch.long, device=self.device)[:, None]
-        held = group.cache.get_seq_length()
+        cache = self.caches[group]
+        held = cache.get_seq_length()
         positions = torch.full((ids.shape[0], 1), held, dtype=torch.long, device=self.device)
         edit = segment_editor([(row, 0, 1, group.edits) for row in range(ids.shape[0])])
         with self.edited(edit, positions):
-            hidden = self.decoder(input_ids=ids, use_cache=True, **{self.cache_kw: group.cache}).last_hidden_state
-        check_cache_length(group.cache, held + 1)
+            hidden = self.decoder(input_ids=ids, use_cache=True, **{self.cache_kw: cache}).last_hidden_state
+        check_cache_length(cache, held + 1)
         return self.logprobs_of(hidden[:, -1])
 
     @torch.inference_mode()
@@ -195,8 +197,22 @@ class ModelRunner:
         """The dtype the final norm and the head take."""
         return next(self.model.parameters()).dtype
 
-    # ---- the interface the engine's step loop uses (the lean runner implements the same) -------
+    # ---- the runner contract (contract.py; the lean runner implements the same) ----------------
     supports_batched_decode = False
+    prefill_chunk_tokens = None  # a prompt is prefilled whole
+    interleaves = False  # a prompt-only pass runs whole
+
+    def interleaved(self, step):
+        return contextlib.nullcontext()
+
+    def interleaving_paused(self):
+        return contextlib.nullcontext()
+
+    def tree_pass(self, tree) -> torch.Tensor:
+        """A token tree's next level, each frontier node's path recomputed whole (tree_passes.py)."""
+        from .tree_passes import recomputed_pass
+
+        return recomputed_pass(self, tree)
 
     def prefill_chunk(self, group: SequenceGroup, budget: int) -> torch.Tensor | None:
         """Advance the group's prefill; the log probabilities of its first token ([1, V]) when the
@@ -207,8 +223,10 @@ class ModelRunner:
         """`prefill_chunk` for each (group, budget); a runner may run them in one pass."""
         return [self.prefill_chunk(group, budget) for group, budget in chunks]
 
-    kv_cache_bytes = 0  # this runner keeps a cache per request, inside the request
-    prefix_cache_bytes = 0  # ... and no prefix cache (the lean runner's, prefix_cache.py)
+    def cache_stats(self) -> dict:
+        """This runner keeps a cache per request (not counted) and no prefix cache (the lean runner's)."""
+        return {"kv_cache_bytes": 0, "prefix_cache_bytes": 0, "prefix_cache_hits": 0, "prefix_cache_misses": 0,
+                "prefix_cache_tokens_saved": 0}
 
     def on_idle(self) -> None:
         """Called when the engine has nothing to do."""
@@ -228,20 +246,19 @@ class ModelRunner:
         engine picks them itself."""
         return self.decode_groups(groups), None
 
-    @staticmethod
-    def expand(group: SequenceGroup, rows: int) -> None:
+    def expand(self, group: SequenceGroup, rows: int) -> None:
         if rows > 1:
-            group.cache.batch_repeat_interleave(rows)
+            self.caches[group].batch_repeat_interleave(rows)
 
-    @staticmethod
-    def select(group: SequenceGroup, keep: list[int]) -> None:
-        group.cache.batch_select_indices(torch.tensor(keep, dtype=torch.long))
+    def select(self, group: SequenceGroup, keep: list[int]) -> None:
+        self.caches[group].batch_select_indices(torch.tensor(keep, dtype=torch.long))
 
-    def release(self, group: SequenceGroup) -> None:
-        group.cache = None
+    def release(self, group) -> None:
+        self.caches.pop(group, None)
 
     def reset(self) -> None:
-        """Drop shared state after a failed step (this runner keeps none: each cache is its request's)."""
+        """Drop every request's cache after a failed step (the engine has failed every group holding one)."""
+        self.caches.clear()
 
     def is_consistent(self, running: list[SequenceGroup]) -> bool:
-        return all(g.cache is not None for g in running)
+        return all(g in self.caches for g in running)

@@ -24,12 +24,9 @@ RECOMPUTED_TOKENS = 8192  # tokens per pass of the recomputing path (rows x thei
 def grow_tree(runner, tree: TreeGroup, new_grammar_state=None) -> None:
     """The tree's next level: one pass (the prompt, or the frontier's nodes) and their children recorded.
     `new_grammar_state(constraint)`: a grammar's state at the start of a text (for a constrained tree)."""
-    lean_pass = getattr(runner, "tree_pass", None)
-    raw = lean_pass(tree) if lean_pass is not None else recomputed_pass(runner, tree)
+    raw = runner.tree_pass(tree)
     masks = steering_masks(tree, raw.shape[-1], new_grammar_state) if tree.params.is_steered else None
     tree.grow(children_of(raw, tree.params, tree.shape, masks))
-    if tree.is_finished:
-        tree.cache = None  # the lean runner's keys and values of the tree
 
 
 def steering_masks(tree: TreeGroup, vocab: int, new_grammar_state) -> np.ndarray | None:

@@ -95,6 +95,8 @@ class Attention:
         self.group = num_heads // kv_heads  # query heads per key/value head
         self.dtype, self.device = dtype, device
 
+    FEW_QUERIES = 32  # a pass of one row and at most this many queries attends in the decode step's layout
+
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PassMeta) -> torch.Tensor:
         """q [B, H, T, d], k and v [B, KV, T, d] of this pass's tokens -> [B, H, T, d]."""
         if meta.keep is not None:
@@ -103,6 +105,15 @@ class Attention:
             return self.attend_rows(layer, q, k, v, meta.slabs)
         keys, values = (k, v) if meta.kv is None else meta.kv.exchange(layer, k, v)
         mask = meta.masks[self.windows[layer]]
+        b, _, t, d = q.shape
+        if b == 1 and t <= self.FEW_QUERIES and self.group > 1 and \
+                ((mask is None and t == keys.shape[2] == 1) or (mask is not None and mask.dim() == 2)):
+            # A few queries (a prompt's last tokens after a kept prefix): each key/value head's query heads
+            # as its queries, as in a decode step, without enable_gqa's copy of every key and value.
+            grouped = q.reshape(1, self.kv_heads, self.group * t, d)
+            out = F.scaled_dot_product_attention(grouped, keys, values, scale=self.scale,
+                                                 attn_mask=None if mask is None else mask.repeat(self.group, 1))
+            return out.reshape(1, self.num_heads, t, d)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
                                               scale=self.scale, enable_gqa=self.kv_heads != self.num_heads)
 

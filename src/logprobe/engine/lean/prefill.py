@@ -1,25 +1,74 @@
 """Prompts prefilled in chunks on the lean runner: a long prompt takes several engine steps, so it does
-not stall the decoding of others, into a per-group buffer (`PrefillState`) that moves into the KV cache's
-slots when the prompt is done (`LeanRunner.expand`). Chunks of several prompts run in one pass."""
+not stall the decoding of others, into a per-group store (`PrefillState`) that moves into the KV cache's
+slots when the prompt is done (`LeanRunner.expand`). Chunks of several prompts run in one pass. A prompt
+starts after the longest prefix the prefix cache holds of it, and leaves its own whole blocks there."""
 
 from __future__ import annotations
 
 import torch
 
 from ..interventions import segment_editor
+from ..prefix_cache import BLOCK, Store, grown
 from ..request import SequenceGroup
 from .attention import ChunkKV, PassMeta
 
 
 class PrefillState:
-    """A group's prompt while it is being prefilled: keys/values so far (per layer [KV, P, d]) and its ids."""
+    """A group's prompt while it is being prefilled: its keys and values so far (per layer [KV, >= P, d])
+    and final hidden states, in a prefix-cache `Store` (prefix_cache.py); its ids. A prompt that begins
+    with a kept prefix starts after it (`done`): it writes on in the kept store where it extends the
+    store's longest entry and the store has room (`claim`), else into a store of its own holding a copy
+    of the prefix. Its whole blocks are kept when the prompt is done (`keep`)."""
 
     def __init__(self, runner, group: SequenceGroup):
-        shape = (runner.kv_heads, group.num_prompt_tokens, runner.head_dim)
-        self.keys = [torch.empty(shape, dtype=runner.dtype, device=runner.device) for _ in runner.layers]
-        self.values = [torch.empty(shape, dtype=runner.dtype, device=runner.device) for _ in runner.layers]
-        self.done = 0
-        self.ids = torch.tensor(group.prompt_ids, dtype=torch.long, device=runner.device)
+        num, ids = group.num_prompt_tokens, group.prompt_ids
+        cache = runner.prefix_cache
+        self.cached = cache.enabled and not group.params.interventions  # uses and fills the prefix cache
+        need_hidden = group.params.needs_prompt_logits
+        hit = cache.find(ids, hidden=need_hidden) if self.cached else None
+        # tokens written past the hit's entry by the request before (a client loop's previous call)
+        start = 0 if hit is None else hit.length + cache.tail_of(hit, ids, need_hidden)
+        # whether the kept positions it starts after have their hidden states kept
+        self.hidden_valid = hit is None or (hit.views()[3] is not None and
+                                            (start == hit.length or hit.entry.store.tail[1]))
+        store = cache.claim(hit, num, self) if hit is not None else None
+        if store is None:
+            capacity = grown(num) if hit is not None and hit.extends else num
+            store = Store.empty(len(runner.layers), runner.kv_heads, runner.head_dim, runner.hidden_size,
+                                capacity, runner.dtype, runner.device)
+            store.writer = self
+            if hit is not None:
+                kept = hit.entry.store
+                for layer in range(len(runner.layers)):
+                    store.keys[layer][:, :start] = kept.keys[layer][:, :start]
+                    store.values[layer][:, :start] = kept.values[layer][:, :start]
+                if self.hidden_valid:
+                    store.hidden[:start] = kept.hidden[:start]
+        self.store, self.hit = store, hit
+        self.keys, self.values = store.keys, store.values
+        self.done = start
+        self.ids = torch.tensor(ids, dtype=torch.long, device=runner.device)
+        self.prompt_ids = ids
+
+    def write_hidden(self, hidden: torch.Tensor, start: int) -> None:
+        if self.store.hidden is not None and self.hidden_valid:
+            self.store.hidden[start:start + hidden.shape[0]] = hidden
+
+    def keep(self, cache) -> None:
+        """The prompt is done: its whole blocks go into the prefix cache, on this store (no copy)."""
+        ids, hit = self.prompt_ids, self.hit
+        if not self.cached:
+            return
+        whole = len(ids) // BLOCK * BLOCK
+        if hit is None or whole > hit.length:
+            cache.adopt(ids, self.store, len(ids) if self.hidden_valid else 0)
+        elif hit.extends and self.store is not hit.entry.store:  # a copy with room: the next call writes on in it
+            cache.adopt(ids, self.store, len(ids) if self.hidden_valid else 0, replace=True)
+
+    def release(self, cache) -> None:
+        """Done writing (its keys moved into the KV cache, or the group left): another may write past
+        the store's frontier, and one that goes on with the same tokens starts after those written."""
+        cache.release(self.store, self, self.prompt_ids, self.done, self.hidden_valid and self.store.hidden is not None)
 
 
 def prefill_chunks(runner, chunks: list[tuple[SequenceGroup, int]]) -> list[torch.Tensor | None]:
@@ -29,11 +78,13 @@ def prefill_chunks(runner, chunks: list[tuple[SequenceGroup, int]]) -> list[torc
     generate ([1, V]) where its prompt is done, else None."""
     parts = []  # (state, start, stop)
     for group, budget in chunks:
-        if group.cache is None:
-            group.cache = PrefillState(runner, group)
+        state = runner.prefill_state(group)
+        if state is None:
+            state = runner.start_prefill(group, PrefillState(runner, group))
             if group.params.needs_prompt_logits:
                 group.prompt_columns = runner.columns.new(group.num_prompt_tokens, group.params)
-        state = group.cache
+                if state.done:  # the kept prefix's own columns, from its hidden states
+                    runner.columns.fill(group.prompt_columns, state.store.hidden[:state.done], state.ids, 0)
         parts.append((state, state.done, min(group.num_prompt_tokens, state.done + max(1, budget))))
     ids = torch.cat([state.ids[start:stop] for state, start, stop in parts])[None]
     segments, q0 = [], 0
@@ -47,10 +98,12 @@ def prefill_chunks(runner, chunks: list[tuple[SequenceGroup, int]]) -> list[torc
         q0 += stop - start
         if group.prompt_columns is not None:
             runner.columns.fill(group.prompt_columns, mine, state.ids, start)
+        state.write_hidden(mine, start)
         state.done = stop
         out.append(None if stop < group.num_prompt_tokens else len(finished))
         if stop == group.num_prompt_tokens:
             finished.append(mine[-1:])
+            state.keep(runner.prefix_cache)
     if finished:
         logprobs = runner.logprobs_of(finished[0] if len(finished) == 1 else torch.cat(finished))
         out = [None if o is None else logprobs[o:o + 1] for o in out]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -27,12 +28,25 @@ from .weights import Linear, load_blocks, packing_works, release_packed
 log = logging.getLogger("logprobe.engine")
 
 
+@dataclass
+class GroupRecord:
+    """What the runner keeps of one group (a request's prompt and its choices, or a token tree) while it
+    runs: its prompt's state while prefilled, then its rows of the KV cache (one per choice still
+    decoding, in the order of the group's `active_rows`); a tree's keys and values. The scheduler's
+    groups carry none of it."""
+
+    prefill: PrefillState | None = None
+    rows: list[Row] = field(default_factory=list)
+    tree: object = None  # lean/tree.py's TreeKV
+
+
 class LeanRunner:
     """Runs a model a family claims (families/) with its own weights: the engine's step loop calls it as
     it calls `runner.ModelRunner`, with every running row of every request in one decode pass."""
 
     supports_batched_decode = True
     PREFILL_CHUNK = 512  # prompt tokens per engine step while other requests are decoding
+    interleaves = True  # a batch prompt-only pass stops between its blocks for interactive steps
     INT4_MAX_ROWS = 8  # decode steps of up to this many rows read the 4-bit weights (when loaded)
     RELEASE_PACKED = True  # see weights.release_packed; tests turn it off to compare with an engine that keeps both
 
@@ -47,6 +61,7 @@ class LeanRunner:
         self.layers = getattr(model, model.base_model_prefix).layers
         lm_head = model.get_output_embeddings()
         self.vocab_size = int(lm_head.weight.shape[0])  # read before the module may be emptied
+        self.hidden_size = int(lm_head.weight.shape[1])
         self.softcap = getattr(model.config, "final_logit_softcapping", None)
         self.num_heads, self.kv_heads, self.head_dim = family.num_heads, family.kv_heads, family.head_dim
         max_len = max_len or int(getattr(model.config, "max_position_embeddings", 4096))
@@ -76,9 +91,10 @@ class LeanRunner:
         self.static_decode = self.device.type == "cuda" if static_decode is None else static_decode
         self.pick_in_step = True
         self.fixed_shape = FixedShapeSteps(self)
-        # Prompt prefixes' keys and values kept across batches of prompt-only groups (prefix_cache.py);
+        # Keys and values of sequences already run, kept across requests of every kind (prefix_cache.py);
         # bounded by bytes, kept when idle, 0 turns it off.
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        self.records: dict[object, GroupRecord] = {}  # per group that holds state here
         self.prompt_batches = PromptBatches(self)
         # Set during a batch prompt-only pass (`interleaved`): called after each block and before each chunk
         # of the head, where the engine may run a step of interactive requests (core.py). Such a step
@@ -157,6 +173,19 @@ class LeanRunner:
 
     INTERLEAVED_HEAD_POSITIONS = 64  # positions a head run takes in a batch pass: a run is as short as a block
 
+    @property
+    def prefill_chunk_tokens(self) -> int:
+        return self.PREFILL_CHUNK
+
+    @contextmanager
+    def interleaving_paused(self):
+        """An interactive step run between the blocks of a batch pass: its own passes run straight through."""
+        step, self.between_blocks = self.between_blocks, None
+        try:
+            yield
+        finally:
+            self.between_blocks = step
+
     @contextmanager
     def interleaved(self, step):
         """Within the block, the passes call `step()` after each block and before each head run, and the
@@ -219,17 +248,39 @@ class LeanRunner:
         return prefill_chunks(self, chunks)
 
     def prefill_progress(self, group: SequenceGroup) -> int:
-        return group.cache.done if isinstance(group.cache, PrefillState) else 0
+        state = self.prefill_state(group)
+        return 0 if state is None else state.done
+
+    def record(self, group) -> GroupRecord:
+        """The group's record here, made at its first use."""
+        record = self.records.get(group)
+        if record is None:
+            record = self.records[group] = GroupRecord()
+        return record
+
+    def prefill_state(self, group: SequenceGroup) -> PrefillState | None:
+        record = self.records.get(group)
+        return None if record is None else record.prefill
+
+    def start_prefill(self, group: SequenceGroup, state: PrefillState) -> PrefillState:
+        self.record(group).prefill = state
+        return state
+
+    def rows_of(self, group: SequenceGroup) -> list[Row]:
+        record = self.records.get(group)
+        return [] if record is None else record.rows
 
     @torch.inference_mode()
     def expand(self, group: SequenceGroup, rows: int) -> None:
-        """The prompt is done: give each choice a slot holding the prompt's keys and values."""
-        state = group.cache
-        group.rows = []
+        """The prompt is done: give each choice still going a slot holding the prompt's keys and values."""
+        record = self.record(group)
+        state, num = record.prefill, group.num_prompt_tokens
         handles = [Row(group, seq_index) for seq_index in group.active_rows]
-        self.cache.add(handles, state.keys, state.values)  # all of them, or none (then nothing to release)
-        group.rows = handles
-        group.cache = None
+        # all of them, or none (then nothing to release)
+        self.cache.add(handles, [k[:, :num] for k in state.keys], [v[:, :num] for v in state.values])
+        record.rows = handles
+        record.prefill = None
+        state.release(self.prefix_cache)
 
     @torch.inference_mode()
     def tree_pass(self, tree) -> torch.Tensor:
@@ -254,7 +305,8 @@ class LeanRunner:
 
     def _decode(self, groups: list[SequenceGroup], k: int | None) -> tuple[list[torch.Tensor], np.ndarray | None]:
         cache = self.cache
-        if cache.num_rows != sum(len(g.rows) for g in groups):
+        held = [self.rows_of(g) for g in groups]
+        if cache.num_rows != sum(len(r) for r in held):
             raise RuntimeError("the KV cache is out of step with the running groups")
         cache.make_room()  # a row whose size class is full moves into the next one
         slabs = [slab for slab in cache.slabs.values() if slab.rows]
@@ -279,7 +331,7 @@ class LeanRunner:
         for r in rows:
             r.length += 1
         offsets = {slab.capacity: start for slab, start in zip(slabs, np.cumsum([0] + [len(s.rows) for s in slabs]))}
-        orders = [[int(offsets[row.slab]) + row.slot for row in group.rows] for group in groups]
+        orders = [[int(offsets[row.slab]) + row.slot for row in rows_of] for rows_of in held]
         host = None
         if picked is not None:
             host = picked.cpu().numpy()  # the step's one transfer
@@ -322,35 +374,54 @@ class LeanRunner:
     # ---- bookkeeping -------------------------------------------------------------------------
     @torch.inference_mode()
     def select(self, group: SequenceGroup, keep: list[int]) -> None:
-        """Keep the group's rows at the places `keep`; the others' slots are freed."""
-        kept = []
-        for position, row in enumerate(group.rows):
+        """Keep the group's rows at the places `keep`; the others' slots are freed (a finished first
+        choice's keys and values kept in the prefix cache first)."""
+        record, kept = self.record(group), []
+        for position, row in enumerate(record.rows):
             if position in keep:
                 kept.append(row)
             else:
-                self.cache.remove(row)
-        group.rows = kept
+                self._leave(group, row)
+        record.rows = kept
 
     @torch.inference_mode()
-    def release(self, group: SequenceGroup) -> None:
-        for row in getattr(group, "rows", None) or []:
+    def release(self, group) -> None:
+        """The group is done (finished, aborted or failed): its rows' slots are freed and its record
+        dropped; a finished or aborted group's first choice is kept in the prefix cache."""
+        record = self.records.pop(group, None)
+        if record is None:
+            return
+        for row in record.rows:
             if row.slot >= 0:
-                self.cache.remove(row)
-        group.rows = []
-        group.cache = None
+                self._leave(group, row)
+        if record.prefill is not None:
+            record.prefill.release(self.prefix_cache)
+
+    def _leave(self, group: SequenceGroup, row: Row) -> None:
+        """Free a row's slot. The first choice of a group that did not fail leaves its prompt and what it
+        generated in the prefix cache (the last token picked never ran: its keys are not there)."""
+        if row.seq_index == 0 and group.error is None and not group.params.interventions and \
+                self.prefix_cache.enabled and self.cache.holds(row):
+            ids = group.prompt_ids + group.sequences[0].token_ids[:row.length - group.num_prompt_tokens]
+            if not self.prefix_cache.covers(ids):
+                slab = self.cache.slabs[row.slab]
+                self.prefix_cache.insert(ids, [k[row.slot, :, :row.length] for k in slab.keys],
+                                         [v[row.slot, :, :row.length] for v in slab.values], None)
+        self.cache.remove(row)
 
     def reset(self) -> None:
         """Forget every row and start from a new cache of the first size (after a failed step: the
         engine has failed every group that held a row); the prefix cache is emptied too."""
         self.fixed_shape.graphs.clear()
         self.prefix_cache.clear()  # nothing kept from a step that failed
+        self.records.clear()
         self.cache = SlabCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device,
                                max_len=self.cache.max_len, capacity=self.kv_positions)
 
     def is_consistent(self, running: list[SequenceGroup]) -> bool:
         """Whether the cache's bookkeeping is whole and holds exactly the running groups' rows, each where
         its handle says."""
-        rows = [(g, row) for g in running for row in getattr(g, "rows", ())]
+        rows = [(g, row) for g in running for row in self.rows_of(g)]
         return self.cache.is_consistent() and self.cache.num_rows == len(rows) and \
             all(row.group is g and self.cache.holds(row) for g, row in rows)
 
@@ -365,3 +436,8 @@ class LeanRunner:
     @property
     def prefix_cache_bytes(self) -> int:
         return self.prefix_cache.nbytes
+
+    def cache_stats(self) -> dict:
+        cache = self.prefix_cache
+        return {"kv_cache_bytes": self.cache.nbytes, "prefix_cache_bytes": cache.nbytes, "prefix_cache_hits": cache.hits,
+                "prefix_cache_misses": cache.misses, "prefix_cache_tokens_saved": cache.tokens_saved}

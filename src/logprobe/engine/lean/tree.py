@@ -42,14 +42,15 @@ def inner_nodes(shape: TreeShape) -> int:
 def tree_pass(runner, tree: TreeGroup) -> torch.Tensor:
     """The tree's next pass: the prompt (first) or its frontier's nodes, one row each. Returns their raw
     next-token log probabilities [rows, V]."""
-    if tree.cache is None:
+    record = runner.record(tree)
+    if record.tree is None:
         num_prompt = tree.num_prompt_tokens
-        state = tree.cache = TreeKV(runner, num_prompt, num_prompt + inner_nodes(tree.shape))
+        state = record.tree = TreeKV(runner, num_prompt, num_prompt + inner_nodes(tree.shape))
         ids = torch.tensor([tree.prompt_ids], dtype=torch.long, device=runner.device)
         hidden = runner.forward(ids, prepare_prefill(runner, [(state, 0, num_prompt)]))[0, -1:]
         state.length = num_prompt
         return runner.logprobs_of(hidden)
-    state, frontier = tree.cache, tree.frontier
+    state, frontier = record.tree, tree.frontier
     start, stop = state.length, state.length + len(frontier)
     position = state.num_prompt + tree.level - 1
     for j, node in enumerate(frontier):

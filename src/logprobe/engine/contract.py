@@ -1,0 +1,101 @@
+"""The runner contract: everything the engine's core (core.py), the captures (captures.py), the logit
+lens (prompt_columns.py) and the token trees (tree_passes.py) ask of a runner, declared once. Both
+runners implement it: `lean.LeanRunner` (logprobe's own forward pass, batched decode over a KV cache in
+size classes, the prefix cache) and `runner.ModelRunner` (transformers' forward, a cache per request).
+The core calls nothing else on a runner and never asks what one can do (no `hasattr`): what differs is
+said by `prefill_chunk_tokens` and `interleaves`.
+
+A runner keeps its per-request state (prefill buffers, cache rows, positions, a tree's keys and values)
+in its own records, keyed by the scheduler's group; the group (request.py) is written by the host side
+alone. `release(group)` drops that record, whatever state the group ended in.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Callable, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from .interventions import Edits
+from .request import PromptColumns, SequenceGroup
+
+
+@runtime_checkable
+class Runner(Protocol):
+    device: torch.device
+    vocab_size: int
+    # Prompt tokens per step beside decoding rows (the scheduler's chunk), or None: prompts prefilled whole.
+    prefill_chunk_tokens: int | None
+    # Whether a batch prompt-only pass can stop between its blocks for interactive steps (`interleaved`).
+    interleaves: bool
+
+    # ---- prompts ---------------------------------------------------------------------------
+    def prefill_batch(self, groups: list[SequenceGroup]) -> None:
+        """Prompt-only groups (max_tokens 0): fill each one's prompt columns where it asks for them."""
+
+    def prefill_chunks(self, chunks: list[tuple[SequenceGroup, int]]) -> list[torch.Tensor | None]:
+        """The next chunk of each (group, budget)'s prompt; per group the log probabilities of its first
+        token to generate ([1, V]) where its prompt is done, else None."""
+
+    def prefill_progress(self, group: SequenceGroup) -> int:
+        """Prompt tokens of the group already run (a kept prefix included)."""
+
+    def expand(self, group: SequenceGroup, rows: int) -> None:
+        """The prompt is done and `rows` choices go on decoding: each gets its rows of the KV cache."""
+
+    # ---- decoding --------------------------------------------------------------------------
+    def decode_groups(self, groups: list[SequenceGroup]) -> list[torch.Tensor]:
+        """One decode step of every active row of these groups: [rows, V] per group."""
+
+    def decode_and_pick(self, groups: list[SequenceGroup], k: int) -> tuple[list[torch.Tensor], np.ndarray | None]:
+        """`decode_groups`, and the rows' picks (sampler.pick's host array) where the runner picks them in
+        its pass; None where the engine picks."""
+
+    def select(self, group: SequenceGroup, keep: list[int]) -> None:
+        """Keep the group's rows at the places `keep` (the others finished)."""
+
+    def tree_pass(self, tree) -> torch.Tensor:
+        """A token tree's next level (its prompt first): [rows, V] raw log probabilities."""
+
+    # ---- interleaving batch passes with interactive steps ----------------------------------
+    def interleaved(self, step: Callable[[], None]) -> AbstractContextManager:
+        """Within it, a prompt-only pass calls `step()` between its blocks (only where `interleaves`)."""
+
+    def interleaving_paused(self) -> AbstractContextManager:
+        """Within it (an interactive step run from `step()`), passes do not call `step()`."""
+
+    # ---- activations -----------------------------------------------------------------------
+    def residual_stream(self, ids: list[int], layers: list[int], edits: Edits | None = None) -> dict[int, np.ndarray]:
+        ...
+
+    def logit_lens(self, ids: list[int], layers: list[int], k: int, edits: Edits | None = None
+                   ) -> dict[int, PromptColumns]:
+        ...
+
+    def logprobs_of(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Raw next-token log probabilities, float32, of final-norm hidden states [..., D]."""
+
+    def apply_final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        ...
+
+    def head_dtype(self) -> torch.dtype:
+        ...
+
+    # ---- state -----------------------------------------------------------------------------
+    def release(self, group) -> None:
+        """The group is done: drop its record (rows, buffers) whatever state it ended in."""
+
+    def reset(self) -> None:
+        """After a failed step: forget every record and shared state (the engine failed their groups)."""
+
+    def is_consistent(self, running: list[SequenceGroup]) -> bool:
+        """Whether the shared state holds exactly the running groups' rows."""
+
+    def on_idle(self) -> None:
+        """The engine has nothing to do: hand back memory a busy spell took."""
+
+    def cache_stats(self) -> dict:
+        """/health's and /metrics' numbers: kv_cache_bytes, prefix_cache_bytes, prefix_cache_hits,
+        prefix_cache_misses, prefix_cache_tokens_saved."""
