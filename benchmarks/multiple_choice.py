@@ -9,7 +9,10 @@ questions, and the largest difference between the arms' log probabilities:
   pass) against the same engine with sharing turned off (the prefix cache off in both);
 * the answers in separate batches, one request each, longest first (as lm-evaluation-harness's length
   sorting sends them, so a question's answers are far apart): the prefix cache (engine/prefix_cache.py,
-  emptied before each round) on against off.
+  emptied before each round) on against off;
+* the context first in a generation request (`max_tokens` 1, as a harness that generates before it
+  scores, or a client whose context arrives in generation calls), then the 4 answers one by one: the
+  prefix cache on (the generation's prompt keeps its blocks and hidden states) against off.
 
     python benchmarks/multiple_choice.py [--questions 24] [--rounds 3] [--dtype float32|bfloat16]
 """
@@ -90,6 +93,25 @@ def run_sorted(engine, items) -> tuple[float, list[np.ndarray]]:
     return time.perf_counter() - t0, [found[q, j] for q, (_, ans) in enumerate(items) for j in range(len(ans))]
 
 
+def run_after_generation(engine, items) -> tuple[float, list[np.ndarray]]:
+    """Per question: the context as a one-token generation request, then each answer as a request of its
+    own; log probabilities in the order `run` gives them."""
+    logprobs = []
+
+    async def main():
+        for context, answers in items:
+            await engine.run_groups([SequenceGroup("gen", context, SamplingParams(max_tokens=1, temperature=0),
+                                                   engine.table)])
+            for a in answers:
+                group = SequenceGroup("mc", context + a, SamplingParams(max_tokens=0, prompt_logprobs=1), engine.table)
+                await engine.run_groups([group])
+                logprobs.append(group.prompt_columns.logprobs[len(context):])
+
+    t0 = time.perf_counter()
+    asyncio.run(main())
+    return time.perf_counter() - t0, logprobs
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--questions", type=int, default=24)
@@ -109,7 +131,7 @@ def main():
     runner.forward = counting
     items = questions(tokenizer, args.questions)
     cache, off = runner.prefix_cache, PrefixCache(0)
-    modes = ("shared", "separate", "cached", "uncached")
+    modes = ("shared", "separate", "cached", "uncached", "generated", "generated-off")
     engine.start()
     try:
         runner.prefix_cache = off
@@ -119,12 +141,14 @@ def main():
         tokens, answers = {}, {}
         for _ in range(args.rounds):
             for mode in modes:
-                runner.prefix_cache = cache if mode == "cached" else off
+                runner.prefix_cache = cache if mode in ("cached", "generated") else off
                 cache.clear()
                 if mode == "separate":
                     runner.prompt_batches.SHARED_PREFIX_MIN = 10**9
                 counted["padded"] = 0
-                seconds, logprobs = (run if mode in ("shared", "separate") else run_sorted)(engine, items)
+                arm = {"shared": run, "separate": run, "generated": run_after_generation,
+                       "generated-off": run_after_generation}.get(mode, run_sorted)
+                seconds, logprobs = arm(engine, items)
                 if mode == "separate":
                     del runner.prompt_batches.SHARED_PREFIX_MIN
                 times[mode].append(seconds)
@@ -166,6 +190,16 @@ def main():
           f"lookups over all rounds, {kept[0]} entries and {kept[1] / 2**20:.1f} MB held after a round; largest "
           f"log probability difference {largest('cached', 'uncached'):.1e} (cache on against off), "
           f"{largest('cached', 'shared'):.1e} (against the answers sent together)")
+    gen_ratios = [s / t for s, t in zip(times["generated-off"], times["generated"])]
+    print()
+    print("the context first in a one-token generation request, then the answers one by one:")
+    print("| | tokens through the blocks | seconds per round |")
+    print("| --- | --- | --- |")
+    for mode, name in (("generated-off", "prefix cache off"), ("generated", "prefix cache on")):
+        print(f"| {name} | {tokens[mode]:,} | {', '.join(f'{t:.2f}' for t in times[mode])} |")
+    print(f"speed-up per round (alternating): {', '.join(f'{r:.2f}x' for r in gen_ratios)}, median "
+          f"{statistics.median(gen_ratios):.2f}x; largest log probability difference "
+          f"{largest('generated', 'generated-off'):.1e} (cache on against off)")
 
 
 if __name__ == "__main__":

@@ -94,3 +94,28 @@ def test_model_card_of_bundled_model(server):
     assert (card["num_layers"], card["d_model"], card["vocab_size"], card["context_length"]) == (30, 576, 49152, 8192)
     info = httpx.get(server + "/tokenizer_info", timeout=600).json()
     assert info["eos_token"] == "<|im_end|>"
+
+
+def metric(server, name: str) -> float:
+    text = httpx.get(f"{server}/metrics").text
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
+
+
+def test_a_client_loop_is_served_from_the_prefix_cache(oai, server, ref64):
+    """A client that picks each token itself (a request a token, its prompt the ids so far): from the
+    second call on each finds its context kept (/metrics counts hits and tokens saved, and the cache holds
+    bytes), and the numbers are the float64 reference's all along."""
+    ids = [1] + [504, 6376, 314, 3050, 28, 253, 1391, 282] * 12  # 97 tokens
+    hits, saved = metric(server, "logprobe_prefix_cache_hits"), metric(server, "logprobe_prefix_cache_tokens_saved")
+    for call in range(12):
+        out = oai.completions.create(model=MODEL, prompt=ids, max_tokens=1, logprobs=3, temperature=0,
+                                     extra_body={"return_tokens_as_token_ids": True})
+        lp = out.choices[0].logprobs
+        token = int(lp.tokens[0].split(":")[1])
+        if call % 4 == 0:
+            row = ref64(ids + [token])[len(ids) - 1]
+            assert token == int(np.argmax(row)) and abs(lp.token_logprobs[0] - row[token]) < 2e-4
+        ids = ids + [token]
+    assert metric(server, "logprobe_prefix_cache_hits") >= hits + 11
+    assert metric(server, "logprobe_prefix_cache_tokens_saved") >= saved + 11 * 97
+    assert 0 < metric(server, "logprobe_prefix_cache_bytes") <= 256 * 2**20

@@ -89,9 +89,9 @@ class FirstBlock:
     engine at the first block of a batch pass until `run` has queued the interactive requests, then
     lets each call through, `after(steps)` (if given) seeing the state after it and how many steps it ran."""
 
-    def __init__(self, engine, after=None):
-        self.engine, self.after = engine, after
-        self.original = engine._interactive_step
+    def __init__(self, engine, after=None, hook: str = "_interactive_step"):
+        self.engine, self.after, self.hook = engine, after, hook
+        self.original = getattr(engine, hook)
         self.in_pass, self.queued = threading.Event(), threading.Event()
 
     def __call__(self) -> None:
@@ -116,11 +116,11 @@ class FirstBlock:
             self.queued.set()
             await asyncio.gather(*asked_done, *batch_done, **gather)
 
-        engine._interactive_step = self
+        setattr(engine, self.hook, self)
         try:
             asyncio.run(main())
         finally:
-            del engine._interactive_step
+            delattr(engine, self.hook)
         assert self.in_pass.is_set()
 
 
@@ -157,6 +157,36 @@ def test_an_interactive_request_runs_at_the_next_block_of_a_batch_pass(engine, r
     seq = asked[1].sequences[0]
     ref = reference.logprobs(asked[1].prompt_ids + seq.token_ids).numpy()
     start = len(asked[1].prompt_ids) - 1
+    assert seq.token_ids == [int(np.argmax(ref[start + i])) for i in range(len(seq.token_ids))]
+    np.testing.assert_allclose(seq.logprobs, [ref[start + i][t] for i, t in enumerate(seq.token_ids)], atol=TOL)
+
+
+def test_a_stream_is_prefilled_at_the_next_block_of_a_scoring_pass(engine, reference):
+    """Interactive scoring requests in a prompt-only pass, and a generation that arrives once the pass
+    has begun: at the pass's first block a step runs the generation's prompt alone and picks its first
+    token, before any scoring request is answered (`_prompt_step`); at the later blocks nothing runs (it
+    decodes in the steps around the pass). The scoring requests' numbers are those of the same pass
+    uninterrupted, the generation's those it gets alone, bit for bit, and the reference's."""
+    scores = [make(engine, f"Scoring text {i} " + "with a few more words " * (3 + i), max_tokens=0, prompt_logprobs=2)
+              for i in range(3)]
+    stream = make(engine, "An interactive question about rivers", max_tokens=5, temperature=0, logprobs=3)
+    seen = []
+
+    def after(steps: int) -> None:
+        seen.append({"steps": steps, "tokens": len(stream.sequences[0].token_ids),
+                     "scored": sum(g.is_finished for g in scores)})
+
+    FirstBlock(engine, after, hook="_prompt_step").run(scores, [stream])
+    assert seen[0] == {"steps": 1, "tokens": 1, "scored": 0}
+    assert all(s["steps"] == 0 for s in seen[1:])
+    assert all(g.error is None and g.is_finished for g in [*scores, stream])
+    assert_as_uninterrupted(engine, scores)
+    alone, = copies([stream], engine.table)
+    asyncio.run(engine.run_groups([alone]))
+    assert numbers(alone) == numbers(stream)
+    seq = stream.sequences[0]
+    ref = reference.logprobs(stream.prompt_ids + seq.token_ids).numpy()
+    start = len(stream.prompt_ids) - 1
     assert seq.token_ids == [int(np.argmax(ref[start + i])) for i in range(len(seq.token_ids))]
     np.testing.assert_allclose(seq.logprobs, [ref[start + i][t] for i, t in enumerate(seq.token_ids)], atol=TOL)
 

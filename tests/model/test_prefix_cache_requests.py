@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from logprobe.engine.engine import Engine
 from logprobe.engine.prefix_cache import BLOCK, PrefixCache

@@ -491,3 +491,37 @@ def test_an_interactive_step_holds_interactive_prompts_and_every_decoding_row():
     assert scheduler.schedule(interactive_only=True) is None  # b-gen still decodes, but only in plain steps
     plan = scheduler.schedule()  # the batch groups go on where they were
     assert names(plan.decode) == ["b-gen"] and chunks(plan) == [("b-long", 16)]
+
+
+def test_prompts_admitted_between_the_blocks_of_a_scoring_pass():
+    """`schedule_prompts` (a step between the blocks of an interactive prompt-only pass): the interactive
+    generations' prompts are admitted past the prompt-only groups queued ahead of them, and get a chunk;
+    the prompt-only and batch groups stay queued in their order; the running rows are not in it."""
+    scheduler = Scheduler(prefill_chunk_tokens=8, interleaves=True)
+    running = group("running", 3, max_tokens=10)
+    scheduler.add(running)
+    run(scheduler, scheduler.schedule())
+    assert names(scheduler.running) == ["running"]
+    for made in (group("score1", 300, max_tokens=0), group("score2", 300, max_tokens=0), group("stream", 20),
+                 batch("line", 5), group("score3", 300, max_tokens=0)):
+        scheduler.add(made)
+    outer = scheduler.schedule()  # the pass of score1 alone (two would pass the budget), the running row
+    assert names(outer.score) == ["score1"] and names(outer.decode) == ["running"] and not outer.prefill
+    assert names(scheduler.waiting) == ["score2", "stream", "score3", "line"] and scheduler.has_prompts_to_admit
+    plan = scheduler.schedule_prompts()
+    assert chunks(plan) == [("stream", 8)] and not (plan.score or plan.decode or plan.trees)
+    assert "stream" not in names(scheduler.waiting) and names(scheduler.prefilling) == ["stream"]
+    assert names(scheduler.waiting) == ["score2", "score3", "line"]
+    assert chunks(scheduler.schedule_prompts()) == [("stream", 8)]
+    assert chunks(scheduler.schedule_prompts()) == [("stream", 4)]
+    scheduler.prefilled(scheduler.prefilling[0])
+    assert not scheduler.has_prompts_to_admit and scheduler.schedule_prompts() is None
+    assert names(scheduler.running) == ["running", "stream"]
+
+
+def test_no_prompt_to_admit_leaves_the_queue_as_it_is():
+    scheduler = Scheduler(prefill_chunk_tokens=8, interleaves=True)
+    for made in (group("score1", 30, max_tokens=0), batch("line", 5)):
+        scheduler.add(made)
+    assert not scheduler.has_prompts_to_admit and scheduler.schedule_prompts() is None
+    assert names(scheduler.waiting) == ["score1", "line"]

@@ -242,8 +242,8 @@ class EngineCore:
         self._after_step(group)
 
     def _score(self, groups: list[SequenceGroup]) -> None:
-        if groups[0].is_batch and self.scheduler.interleaves:
-            with self.runner.interleaved(self._interactive_step):
+        if self.scheduler.interleaves:  # a batch pass lets interactive steps in; an interactive one, prompts
+            with self.runner.interleaved(self._interactive_step if groups[0].is_batch else self._prompt_step):
                 self.runner.prefill_batch(groups)
         else:
             self.runner.prefill_batch(groups)
@@ -263,6 +263,20 @@ class EngineCore:
             return
         with self.runner.interleaving_paused():
             plan = self.scheduler.schedule(interactive_only=True)
+            self._finish_dropped()
+            if plan is not None:
+                self._run_step(plan)
+
+    def _prompt_step(self) -> None:
+        """Between two blocks of an interactive prompt-only pass: a step of the interactive generations'
+        prompts that wait or are being prefilled (Scheduler.schedule_prompts), so a stream that arrives
+        while scoring requests queue gets its first token after a block of scoring, not after each of
+        their passes. Its own passes are not interleaved."""
+        self._drain_inbox(block=False)
+        if not self.scheduler.has_prompts_to_admit:
+            return
+        with self.runner.interleaving_paused():
+            plan = self.scheduler.schedule_prompts()
             self._finish_dropped()
             if plan is not None:
                 self._run_step(plan)

@@ -101,7 +101,6 @@ class SequenceGroup:
         self.sequences = [SequenceState(j, params, table, text_start) for j in range(params.n)]
         self.prompt_columns: PromptColumns | None = None
         self.edits = None  # its interventions, resolved before its first pass (interventions.py)
-        self.cache = None  # the model's KV cache while the group runs
         self.num_computed_tokens = 0  # prompt tokens prefilled so far (the scheduler counts them)
         self.active_rows: list[int] = []  # sequence index of each row of the KV cache batch
         self.is_aborted = False

@@ -208,11 +208,22 @@ class ModelRunner:
     def interleaving_paused(self):
         return contextlib.nullcontext()
 
-    def tree_pass(self, tree) -> torch.Tensor:
-        """A token tree's next level, each frontier node's path recomputed whole (tree_passes.py)."""
-        from .tree_passes import recomputed_pass
+    RECOMPUTED_TOKENS = 8192  # tokens per pass of a tree's recomputed paths (rows x their length)
 
-        return recomputed_pass(self, tree)
+    @torch.inference_mode()
+    def tree_pass(self, tree) -> torch.Tensor:
+        """[R, V] raw log probabilities after each frontier node's path of a token tree (the prompt's end
+        for the first pass), each path run whole through transformers' forward, rows batched up to
+        RECOMPUTED_TOKENS: the lean runner's numbers, more work (prompt + depth tokens per node), and no
+        state kept between levels."""
+        paths = [tree.prompt_ids + (tree.path(node) if node >= 0 else []) for node in tree.frontier]
+        rows_per_pass = max(1, self.RECOMPUTED_TOKENS // len(paths[0]))
+        out = []
+        for start in range(0, len(paths), rows_per_pass):
+            ids = torch.tensor(paths[start:start + rows_per_pass], dtype=torch.long, device=self.device)
+            hidden = self.decoder(input_ids=ids, use_cache=False).last_hidden_state[:, -1]
+            out.append(self.logprobs_of(hidden))
+        return out[0] if len(out) == 1 else torch.cat(out)
 
     def prefill_chunk(self, group: SequenceGroup, budget: int) -> torch.Tensor | None:
         """Advance the group's prefill; the log probabilities of its first token ([1, V]) when the

@@ -24,6 +24,11 @@ between its blocks (`interleaves`, the lean runner): the engine serves interacti
 (`schedule(interactive_only=True)`, core.py), so such a pass delays an interactive request by a block,
 not by the pass. Where it cannot, a batch prompt-only pass holds `batch_step_tokens` at most, and a
 longer scoring line is prefilled in chunks.
+An interactive prompt-only pass (a `/v1/score` request, up to `score_batch_tokens` padded tokens) stops
+between its blocks too, where the runner can: for the prompts of interactive generations
+(`schedule_prompts`), admitted past the prompt-only groups queued before them, so a stream's first
+token waits for a block of scoring, not for every queued score pass; running rows keep decoding a step
+per pass, as before.
 
 The scheduler keeps how many prompt tokens of each group have been computed
 (`SequenceGroup.num_computed_tokens`), counting a chunk as done when it plans it: a step that fails
@@ -164,6 +169,38 @@ class Scheduler:
         if score and not (plan.prefill or plan.decode or score[0].is_batch):
             self.last_prompt_only = len(score)
         return plan
+
+    @property
+    def has_prompts_to_admit(self) -> bool:
+        """Whether an interactive generation's prompt waits (behind prompt-only groups or not) or is
+        being prefilled: what `schedule_prompts` would run."""
+        return any(not g.is_batch and g.params.max_tokens > 0 for g in self.waiting) or \
+            any(not g.is_batch for g in self.prefilling)
+
+    def schedule_prompts(self) -> Plan | None:
+        """A step run between the blocks of an interactive prompt-only pass (core.py): interactive
+        generations' prompts, admitted past the prompt-only groups queued ahead of them (each of which
+        would otherwise hold them for a whole pass), and a chunk of each interactive prompt being
+        prefilled. Nothing else: the running rows decode in the steps around the pass. None when there
+        is no such prompt."""
+        self._drop_aborted()
+        i = 0
+        while i < len(self.waiting) and not self.waiting[i].is_batch:
+            group = self.waiting[i]
+            if group.params.max_tokens == 0:
+                i += 1
+                continue
+            ahead = [g for g in self.prefilling if not g.is_batch]
+            pending = sum(g.num_prompt_tokens - g.num_computed_tokens for g in ahead)
+            if len(self.running) + len(self.prefilling) >= self.max_running or len(ahead) >= self.max_prefilling \
+                    or (ahead and pending >= self.prefill_tokens):
+                break
+            del self.waiting[i]
+            self.prefilling.append(group)
+        prefilling = [g for g in self.prefilling if not g.is_batch]
+        if not prefilling:
+            return None
+        return Plan(prefill=self._chunks(prefilling, decoding=True))
 
     def _prompt_only_first(self, interactive_only: bool = False) -> bool:
         if not self.waiting or (interactive_only and self.waiting[0].is_batch):

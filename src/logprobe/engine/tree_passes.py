@@ -3,8 +3,8 @@ and the children of every node it ran, chosen on the device and brought to the h
 
 The lean runner runs a level as one pass over the level's nodes with a tree attention mask over keys and
 values kept for the whole tree (lean/tree.py). transformers' forward (runner.ModelRunner, for models no
-family of the lean runner claims) recomputes each node's whole path instead, prompt included, in batches:
-the same numbers, more work (prompt + depth tokens per node), and no state kept between levels.
+family of the lean runner claims) recomputes each node's whole path instead (`ModelRunner.tree_pass`).
+Either way the pass is the runner's `tree_pass` (engine/contract.py).
 """
 
 from __future__ import annotations
@@ -17,9 +17,6 @@ from .instruments import entropy_of, ranks_of
 from .sampler import BatchSettings, filtered_scores
 from .steering import Steering, steered_distributions
 from .tree import Children, TreeGroup
-
-RECOMPUTED_TOKENS = 8192  # tokens per pass of the recomputing path (rows x their length)
-
 
 def grow_tree(runner, tree: TreeGroup, new_grammar_state=None) -> None:
     """The tree's next level: one pass (the prompt, or the frontier's nodes) and their children recorded.
@@ -91,17 +88,3 @@ def children_of(raw: torch.Tensor, params: SamplingParams, shape: TreeShape, mas
                     logprobs=host[:, values_at].astype(np.float32),
                     processed_logprobs=host[:, top_at].astype(np.float32),
                     ranks=host[:, ranks_at].astype(np.int64), entropies=host[:, 1].astype(np.float32))
-
-
-@torch.inference_mode()
-def recomputed_pass(runner, tree: TreeGroup) -> torch.Tensor:
-    """[R, V] raw log probabilities after each frontier node's path (the prompt's end for the first
-    pass), each path run whole through transformers' forward, rows batched up to RECOMPUTED_TOKENS."""
-    paths = [tree.prompt_ids + (tree.path(node) if node >= 0 else []) for node in tree.frontier]
-    rows_per_pass = max(1, RECOMPUTED_TOKENS // len(paths[0]))
-    out = []
-    for start in range(0, len(paths), rows_per_pass):
-        ids = torch.tensor(paths[start:start + rows_per_pass], dtype=torch.long, device=runner.device)
-        hidden = runner.decoder(input_ids=ids, use_cache=False).last_hidden_state[:, -1]
-        out.append(runner.logprobs_of(hidden))
-    return out[0] if len(out) == 1 else torch.cat(out)

@@ -1,0 +1,97 @@
+"""The runner contract (engine/contract.py): both runners implement every method it declares, with its
+parameters; the engine's host side asks a runner nothing else and never what it can do (no getattr or
+hasattr on a runner); and a runner's per-request state lives in its own records, never on the
+scheduler's groups."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+
+from logprobe.engine import contract, core, lean
+from logprobe.engine.contract import Runner
+from logprobe.engine.core import EngineCore
+from logprobe.engine.request import SamplingParams, SequenceGroup
+from logprobe.engine.runner import ModelRunner
+
+ENGINE = Path(core.__file__).parent
+DECLARED = [name for name, value in vars(Runner).items() if inspect.isfunction(value) and not name.startswith("_")]
+
+
+@pytest.fixture(scope="module")
+def runners(tiny_model):
+    return {"lean": lean.LeanRunner(tiny_model, max_len=64), "transformers": ModelRunner(tiny_model)}
+
+
+@pytest.mark.parametrize("kind", ["lean", "transformers"])
+def test_both_runners_implement_the_contract(kind, runners):
+    runner = runners[kind]
+    assert isinstance(runner, Runner)
+    assert len(DECLARED) >= 20
+    for name in DECLARED:
+        want = list(inspect.signature(getattr(Runner, name)).parameters)[1:]
+        got = list(inspect.signature(getattr(runner, name)).parameters)
+        assert got == want, (kind, name)
+    for name in Runner.__annotations__:
+        assert hasattr(runner, name), (kind, name)
+    stats = runner.cache_stats()
+    assert set(stats) == {"kv_cache_bytes", "prefix_cache_bytes", "prefix_cache_hits", "prefix_cache_misses",
+                          "prefix_cache_tokens_saved"}
+
+
+def test_the_core_refuses_a_runner_that_is_not_one():
+    class Half:
+        def prefill_batch(self, groups):
+            pass
+
+    with pytest.raises(TypeError, match="runner contract"):
+        EngineCore(Half(), None, None, [0])
+
+
+def _runner_calls(tree: ast.AST) -> tuple[set[str], list[str]]:
+    """(attributes read on `runner`/`self.runner`, getattr/hasattr calls on one) in a module's code."""
+    attrs, sniffs = set(), []
+
+    def is_runner(node) -> bool:
+        return (isinstance(node, ast.Name) and node.id == "runner") or \
+            (isinstance(node, ast.Attribute) and node.attr == "runner")
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and is_runner(node.value):
+            attrs.add(node.attr)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr") \
+                and node.args and is_runner(node.args[0]):
+            sniffs.append(ast.unparse(node))
+    return attrs, sniffs
+
+
+@pytest.mark.parametrize("module", ["core.py", "engine.py", "captures.py", "tree_passes.py", "prompt_columns.py"])
+def test_the_host_side_calls_only_the_contract(module):
+    attrs, sniffs = _runner_calls(ast.parse((ENGINE / module).read_text()))
+    assert not sniffs
+    declared = set(DECLARED) | set(Runner.__annotations__)
+    # the engine's own reads: the runner's device for interventions, its columns writer for the logit lens
+    assert attrs - declared <= {"columns"}, attrs - declared
+
+
+def test_groups_carry_no_runner_state(runners, tokenizer):
+    """A group prefilled and decoding on the lean runner has no runner attribute; its rows and prompt
+    state are in the runner's records, and gone when it is released."""
+    from logprobe.tokens import TokenTable
+
+    runner = runners["lean"]
+    table = TokenTable.build(tokenizer, runner.vocab_size)
+    group = SequenceGroup("t", [1, 5, 6, 7, 8], SamplingParams(max_tokens=3), table)
+    before = set(vars(group))
+    assert runner.prefill_chunks([(group, 100)])[0] is not None
+    group.active_rows = [0]
+    runner.expand(group, 1)
+    assert set(vars(group)) == before
+    assert len(runner.rows_of(group)) == 1 and runner.is_consistent([group])
+    runner.release(group)
+    assert not runner.records and runner.cache.num_rows == 0
+    assert "cache" not in vars(group) and "rows" not in vars(group)
+    assert contract.__doc__ and "records" in contract.__doc__
