@@ -34,9 +34,9 @@ CORPUS = [
 
 
 def score_all(dtype: str):
-    from logprobe.engine import loader
+    from logprobe.engine.runners import loader
     from logprobe.engine.engine import Engine
-    from logprobe.engine.request import SamplingParams, SequenceGroup
+    from logprobe.engine.host.request import SamplingParams, SequenceGroup
 
     model, tok = loader.load(loader.resolve_source(None), dtype=dtype)
     engine = Engine(model, tok, "bench")
@@ -55,9 +55,9 @@ def score_all(dtype: str):
 def decode_all(dtype: str, quantization: str):
     """Each text through the decode path, one token per step: the rows of positions 1..L-2 as
     (scored token's log probability, whole vocabulary), like score_all's rows from position 1 on."""
-    from logprobe.engine import loader
+    from logprobe.engine.runners import loader
     from logprobe.engine.engine import Engine
-    from logprobe.engine.request import SamplingParams, SequenceGroup
+    from logprobe.engine.host.request import SamplingParams, SequenceGroup
 
     model, tok = loader.load(loader.resolve_source(None), dtype=dtype, quantization=quantization)
     engine = Engine(model, tok, "bench")
@@ -97,7 +97,7 @@ def main() -> None:
     print(f"conditions: bundled SmolLM2-135M, {len(CORPUS)} texts, against float32 scoring "
           "(log_softmax in float32 everywhere)")
     report("bfloat16 weights and activations, scoring path", f32, bf16)
-    from logprobe.engine import int4
+    from logprobe.engine.runners import int4
 
     # the decode rows leave out each text's first scored position (it comes from the prefill)
     f32_from_2 = [(a[1:], b[1:]) for a, b in f32]

@@ -28,7 +28,7 @@ import asyncio, json, statistics, sys, time
 import torch
 from logprobe.engine import loader
 from logprobe.engine.engine import Engine
-from logprobe.engine.request import SamplingParams, SequenceGroup
+from logprobe.engine.host.request import SamplingParams, SequenceGroup
 
 dtype, contexts, calls = sys.argv[1], [int(c) for c in sys.argv[2].split(",")], int(sys.argv[3])
 source = loader.resolve_source(None)

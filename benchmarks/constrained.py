@@ -55,7 +55,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from logprobe.backend import Constraint
-    from logprobe.engine import grammar, loader
+    from logprobe.engine.host import grammar
+    from logprobe.engine.runners import loader
     from logprobe.engine.engine import Engine
 
     source = loader.resolve_source(None)

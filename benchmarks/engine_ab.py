@@ -29,7 +29,7 @@ import asyncio, json, sys, time
 import torch
 from logprobe.engine import loader
 from logprobe.engine.engine import Engine
-from logprobe.engine.request import SamplingParams, SequenceGroup
+from logprobe.engine.host.request import SamplingParams, SequenceGroup
 
 dtype, quantization, salt = sys.argv[1], sys.argv[2], int(sys.argv[3])
 source = loader.resolve_source(None)

@@ -56,9 +56,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(ROOT, "src"), os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "model")]
 
-from logprobe.engine.lean import fixed_shape  # noqa: E402
+from logprobe.engine.runners.lean import fixed_shape  # noqa: E402
 from logprobe.engine.engine import Engine  # noqa: E402
-from logprobe.engine.request import SamplingParams, SequenceGroup  # noqa: E402
+from logprobe.engine.host.request import SamplingParams, SequenceGroup  # noqa: E402
 
 RESULTS: dict = {}
 OUT: list[str] = []  # the JSON file, rewritten after every section (a run cut short keeps what it measured)
@@ -212,8 +212,8 @@ def sampler_numbers(device, tokenizer):
     token by token (they may part only where two tokens' ratios tie within the devices' rounding)."""
     from test_families import build
 
-    from logprobe.engine.sampler import _signed, noise, splitmix64
-    from logprobe.engine.random_streams import Stream
+    from logprobe.engine.device.sampler import _signed, noise, splitmix64
+    from logprobe.engine.host.random_streams import Stream
 
     seeds = torch.tensor([_signed(s) for s in [0, 1, 2**63 - 1, 2**63, 2**64 - 1]]
                          + [_signed(Stream(7, i).seed(i)) for i in range(11)])
@@ -306,7 +306,7 @@ def steered_path(engine, model64):
 def tree_path(engine, model64):
     """A token tree (depth 3, 4 branches: 84 nodes); each node's raw log probability at its own prefix."""
     from logprobe.backend import TreeShape
-    from logprobe.engine.tree import TreeGroup
+    from logprobe.engine.host.tree import TreeGroup
 
     g = TreeGroup("tree", [5, 17, 300, 4242], SamplingParams(max_tokens=3, temperature=1.0,
                                                               stop_token_ids=engine.info.stop_token_ids),

@@ -8,7 +8,7 @@ questions, and the largest difference between the arms' log probabilities:
   them): the engine as it runs (prompts of one batch that share their first tokens share that prefix's
   pass) against the same engine with sharing turned off (the prefix cache off in both);
 * the answers in separate batches, one request each, longest first (as lm-evaluation-harness's length
-  sorting sends them, so a question's answers are far apart): the prefix cache (engine/prefix_cache.py,
+  sorting sends them, so a question's answers are far apart): the prefix cache (engine/runners/prefix_cache.py,
   emptied before each round) on against off;
 * the context first in a generation request (`max_tokens` 1, as a harness that generates before it
   scores, or a client whose context arrives in generation calls), then the 4 answers one by one: the
@@ -31,11 +31,11 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
 
-from logprobe.engine import loader  # noqa: E402
+from logprobe.engine.runners import loader  # noqa: E402
 from logprobe.engine.engine import Engine  # noqa: E402
-from logprobe.engine.lean import shared_prefixes  # noqa: E402
-from logprobe.engine.prefix_cache import PrefixCache  # noqa: E402
-from logprobe.engine.request import SamplingParams, SequenceGroup  # noqa: E402
+from logprobe.engine.runners.lean import shared_prefixes  # noqa: E402
+from logprobe.engine.runners.prefix_cache import PrefixCache  # noqa: E402
+from logprobe.engine.host.request import SamplingParams, SequenceGroup  # noqa: E402
 
 SUBJECTS = ["the river", "the old library", "a mountain village", "the harbour", "the northern forest",
             "a small bakery", "the observatory", "the railway station"]

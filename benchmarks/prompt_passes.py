@@ -43,8 +43,8 @@ def score_once(scorer, texts: list[str]) -> tuple[int, float]:
 def one_pass(runner, rows: int, tokens: int) -> None:
     """One right-padded pass of `rows` random prompts of `tokens` tokens, every position through the head."""
     import torch
-    from logprobe.engine.lean.attention import PassMeta
-    from logprobe.engine.request import SamplingParams
+    from logprobe.engine.runners.lean.attention import PassMeta
+    from logprobe.engine.host.request import SamplingParams
 
     ids = torch.randint(100, 40_000, (rows, tokens))
     meta = PassMeta(torch.arange(tokens)[None].expand(rows, -1), runner.attention.causal_masks(tokens))

@@ -247,7 +247,7 @@ def main() -> None:
 
     from logprobe.datasets.columns import ScoreOptions
     from logprobe.datasets.scorer import InProcessScorer
-    from logprobe.engine import loader
+    from logprobe.engine.runners import loader
 
     print(f"conditions: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch threads "
           f"{__import__('torch').get_num_threads()}, {args.dtype}, {args.rows} rows of {LENGTHS} words, "

@@ -61,7 +61,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    from logprobe.engine import loader
+    from logprobe.engine.runners import loader
 
     directory = loader.ensure_cached(str(loader.bundled_gguf_path()))
     server = servers.start(["--model", "smollm2-135m", "--model", str(directory), "--alias", "second"],

@@ -92,7 +92,7 @@ def shards_of_the_bundled_model(target: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from logprobe.engine import loader
+    from logprobe.engine.runners import loader
 
     src = loader.ensure_cached(str(loader.bundled_gguf_path()))
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)

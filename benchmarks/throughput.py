@@ -323,7 +323,7 @@ def main() -> None:
     ap.add_argument("--skip-llama", action="store_true")
     ap.add_argument("--skip-startup", action="store_true")
     args = ap.parse_args()
-    from logprobe.engine import loader
+    from logprobe.engine.runners import loader
 
     model = args.model
     if model == "smollm2-135m":

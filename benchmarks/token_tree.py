@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 from logprobe.api.app import create_app  # noqa: E402
 from logprobe.config import Limits  # noqa: E402
-from logprobe.engine import loader  # noqa: E402
+from logprobe.engine.runners import loader  # noqa: E402
 from logprobe.engine.engine import Engine  # noqa: E402
 
 MODEL = "smollm2-135m"

@@ -121,7 +121,7 @@ def main() -> None:
     ranks = np.stack([np.searchsorted(order[p], -lps[p], side="left") + 1 for p in range(lps.shape[0])])
     from transformers import AutoTokenizer
 
-    from logprobe.engine import loader
+    from logprobe.engine.runners import loader
     from logprobe.tokens import TokenTable
 
     tok = AutoTokenizer.from_pretrained(str(loader.ensure_cached(str(loader.bundled_gguf_path()))))

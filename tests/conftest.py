@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from logprobe.engine import loader
+from logprobe.engine.runners import loader
 
 
 @pytest.fixture(scope="session")

@@ -4,9 +4,9 @@
 ids, not a network: the log probabilities after a sequence are the log-softmax of a pseudo-random vector
 seeded by its last two token ids (`logprobs_after`), so a test can compute what any answer must hold;
 `pick_rows` chooses tokens from them in numpy as the engine's sampler does on the device. Everything
-after that is the engine's own torch-free code: its request state (engine/request.py), the output
-processor's records and stop rules (engine/output_processor.py), its stream releases
-(engine/streaming.py) and its activation captures (engine/captures.py). Its driver is simpler than the
+after that is the engine's own torch-free code: its request state (engine/host/request.py), the output
+processor's records and stop rules (engine/host/output_processor.py), its stream releases
+(engine/host/streaming.py) and its activation captures (engine/host/captures.py). Its driver is simpler than the
 engine's loop: each call steps its own groups, all of them every step, a prompt in one step (the
 scheduler's decisions are tested on their own, tests/unit/test_scheduler.py). No torch and no
 transformers: the API runs on it in milliseconds, and with torch made unimportable.
@@ -34,12 +34,12 @@ import numpy as np
 
 from logprobe.backend import (RequestAborted, Delta, GenerationOutput, GenerationRequest, ModelInfo, PositionColumns,
                               PromptColumns, StreamEnd, finished_without_forward)
-from logprobe.engine.captures import capture_residual
-from logprobe.engine.output_processor import OutputProcessor
-from logprobe.engine.picks import Pick
-from logprobe.engine.request import SequenceGroup
-from logprobe.engine.streaming import release_all, releasers_of
-from logprobe.engine.tree import Children, TreeGroup, group_for
+from logprobe.engine.host.captures import capture_residual
+from logprobe.engine.host.output_processor import OutputProcessor
+from logprobe.engine.host.picks import Pick
+from logprobe.engine.host.request import SequenceGroup
+from logprobe.engine.host.streaming import release_all, releasers_of
+from logprobe.engine.host.tree import Children, TreeGroup, group_for
 from logprobe.tokens import TokenTable
 
 MODEL_SALT = 0x10C9
@@ -485,7 +485,7 @@ class FakeBackend:
         return cols
 
     def residual_stream(self, ids: list[int], layers: list[int], edits=None) -> dict[int, np.ndarray]:
-        """The runner's method of that name (engine/captures.py reads activations through it)."""
+        """The runner's method of that name (engine/host/captures.py reads activations through it)."""
         return {layer: self.residual_of(ids, layer) for layer in layers}
 
     # ---- stepping: the model's part, then the engine's output processor ----------------------

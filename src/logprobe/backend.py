@@ -113,7 +113,7 @@ class SamplingParams:
 
     @property
     def is_steered(self) -> bool:
-        """Whether something beyond temperature, top-k and top-p shapes the draw (engine/steering.py)."""
+        """Whether something beyond temperature, top-k and top-p shapes the draw (engine/device/steering.py)."""
         return (bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words_ids)
                 or self.constraint is not None)
 
@@ -237,7 +237,7 @@ class GenerationRequest:
     prompt_ids: list[int]
     params: SamplingParams
     text_start: int = 0  # where the generated text starts in the choice's text (after an echoed prompt)
-    tree: TreeShape | None = None  # a token tree instead of choices (engine/tree.py)
+    tree: TreeShape | None = None  # a token tree instead of choices (engine/host/tree.py)
     # "interactive" (an HTTP request) or "batch" (a line of a /v1/batches job): batch lines run in the
     # capacity interactive requests leave, in admission and in the engine's scheduler (docs/serving.md)
     priority: str = "interactive"

@@ -40,7 +40,7 @@ def serve(settings: Settings) -> int:
     import uvicorn
 
     from .api.app import attach_backends, create_app
-    from .engine import loader
+    from .engine.runners import loader
 
     configure_logging(settings.log_level)
     log = logging.getLogger("logprobe")

@@ -77,7 +77,7 @@ class Settings:
     chat_template: str | None = None
     dtype: str = "float32"
     device: str = "cpu"
-    quantization: str = "none"  # "int4": 4-bit decode weights (engine/int4.py)
+    quantization: str = "none"  # "int4": 4-bit decode weights (engine/runners/int4.py)
     max_model_len: int = 0  # 0: the model's context length; less: serve a shorter context (vLLM's option)
     kv_cache_positions: int = 256  # positions per slot the batched KV cache starts with (it doubles, then shrinks back when idle)
     prefix_cache_mb: int = 256  # prompt prefixes' keys and values kept across prompt-only batches (0: off)
@@ -357,7 +357,7 @@ def log_api_keys(settings: Settings) -> None:
 def resolve_models(settings: Settings) -> list:
     """(loader.ModelSource, every alias) of each model to serve, in order, resolved but not loaded.
     ValueError when two models would answer to one name."""
-    from .engine import loader
+    from .engine.runners import loader
 
     found, taken = [], {}
     for spec in settings.model_specs():

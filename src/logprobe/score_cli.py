@@ -19,7 +19,7 @@ def score_in_process(args) -> dict:
     from .api import scoring
     from .api.errors import APIError
     from .config import Limits
-    from .engine import loader
+    from .engine.runners import loader
     from .engine.engine import Engine
 
     source = loader.resolve_source(args.model)

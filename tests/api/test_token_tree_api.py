@@ -12,7 +12,7 @@ from fake_backend import TinyTokenizer
 from logprobe.api.app import create_app
 from logprobe.backend import SamplingParams, TreeShape
 from logprobe.config import Limits
-from logprobe.engine.tree import Children, TreeGroup
+from logprobe.engine.host.tree import Children, TreeGroup
 from logprobe.tokens import TokenTable
 
 

@@ -28,7 +28,7 @@ import orjson
 import pytest
 import serve_process
 
-from logprobe.engine import loader
+from logprobe.engine.runners import loader
 
 pytestmark = pytest.mark.e2e
 

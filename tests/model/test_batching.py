@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from logprobe.engine.engine import Engine
-from logprobe.engine.request import SamplingParams, SequenceGroup
+from logprobe.engine.host.request import SamplingParams, SequenceGroup
 
 TOL = 1e-5
 

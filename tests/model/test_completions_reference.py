@@ -182,7 +182,7 @@ def test_stop_string_ends_text_before_it(client, tiny_engine):
 def test_eos_gives_finish_reason_stop(client, tiny_engine, reference):
     # Find a prompt whose greedy continuation is EOS by forcing: use the token-id prompt ending such
     # that the reference argmax is EOS is hard on random weights, so check the mechanism directly.
-    from logprobe.engine.request import SamplingParams, SequenceGroup
+    from logprobe.engine.host.request import SamplingParams, SequenceGroup
 
     ids = tiny_engine.tokenizer("hi").input_ids
     ref = reference.logprobs(ids).numpy()

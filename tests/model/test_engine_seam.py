@@ -10,8 +10,8 @@ import pytest
 
 from logprobe.backend import GenerationRequest, RequestAborted, SamplingParams
 from logprobe.engine.engine import Engine
-from logprobe.engine.request import SequenceGroup
-from logprobe.engine.streaming import Releaser
+from logprobe.engine.host.request import SequenceGroup
+from logprobe.engine.host.streaming import Releaser
 
 
 def test_the_groups_of_one_submit_reach_the_scheduler_together(tiny_model, tokenizer):

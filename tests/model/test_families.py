@@ -1,4 +1,4 @@
-"""Model families of the lean runner (engine/families/): tiny random-weight models of each family's own
+"""Model families of the lean runner (engine/runners/families/): tiny random-weight models of each family's own
 transformers class, run through logprobe's Engine and checked against a float64 forward of
 transformers' own implementation of that class (no cache): prompt passes, greedy and sampled generations
 of several groups decoded in one batch, chunked prefill with a chunk boundary inside the sliding window,
@@ -29,11 +29,11 @@ import numpy as np
 import pytest
 import torch
 
-from logprobe.engine import int4, lean
+from logprobe.engine.runners import int4, lean
 from logprobe.engine.engine import Engine
-from logprobe.engine.families import family_of
-from logprobe.engine.request import SamplingParams, SequenceGroup
-from logprobe.engine.runner import ModelRunner
+from logprobe.engine.runners.families import family_of
+from logprobe.engine.host.request import SamplingParams, SequenceGroup
+from logprobe.engine.runners.model_runner import ModelRunner
 
 TOL = 1e-5
 WINDOW = 12

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from logprobe.engine import int4, lean, loader
+from logprobe.engine.runners import int4, lean, loader
 from logprobe.engine.engine import Engine
-from logprobe.engine.request import SamplingParams, SequenceGroup
+from logprobe.engine.host.request import SamplingParams, SequenceGroup
 
 
 def run(engine, groups):

@@ -11,7 +11,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from logprobe.engine.engine import Engine
-from logprobe.engine.request import SamplingParams, SequenceGroup
+from logprobe.engine.host.request import SamplingParams, SequenceGroup
 
 TO_HOST = {"cpu", "item", "tolist", "numpy", "__int__", "__float__", "__bool__", "__index__", "__array__"}
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from logprobe.engine.engine import Engine
-from logprobe.engine.request import SamplingParams, SequenceGroup
+from logprobe.engine.host.request import SamplingParams, SequenceGroup
 
 TOL = 4e-5  # the sharper model's logits are ~5x the other tests': float32 rounding grows with them
 # (and with a log probability's size: the comparisons add a relative 1e-5, see assert_same_numbers)

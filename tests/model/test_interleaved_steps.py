@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from logprobe.engine.engine import Engine
-from logprobe.engine.request import SamplingParams, SequenceGroup
+from logprobe.engine.host.request import SamplingParams, SequenceGroup
 
 PATIENCE_S = 600  # bounds a hang only
 TOL = 1e-5

@@ -18,7 +18,7 @@ from logprobe.api.app import create_app
 from logprobe.backend import Intervention
 from logprobe.config import Limits
 from logprobe.engine.engine import Engine
-from logprobe.engine.request import SamplingParams, SequenceGroup
+from logprobe.engine.host.request import SamplingParams, SequenceGroup
 from test_families import build
 
 TOL = 2e-5

@@ -1,4 +1,4 @@
-"""The lean runner's KV cache in size classes (engine/kv_cache.py): its memory follows the positions held,
+"""The lean runner's KV cache in size classes (engine/runners/kv_cache.py): its memory follows the positions held,
 and rows moving into larger classes, or leaving theirs, change no number.
 
 Engines here run step by step on the test's own thread (`drive`: the engine's `step`, as its loop calls
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from logprobe.engine.engine import Engine
-from logprobe.engine.request import SamplingParams, SequenceGroup
+from logprobe.engine.host.request import SamplingParams, SequenceGroup
 
 TOL = 1e-5
 

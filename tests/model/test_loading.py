@@ -12,7 +12,7 @@ import textwrap
 import pytest
 import torch
 
-from logprobe.engine import loader
+from logprobe.engine.runners import loader
 
 
 def _logits(model, ids):
@@ -105,7 +105,7 @@ def test_int4_on_fused_projections_is_refused_clearly(monkeypatch):
 
     model = Phi3ForCausalLM(Phi3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                        num_attention_heads=2, num_key_value_heads=2, pad_token_id=0))
-    from logprobe.engine import int4, lean
+    from logprobe.engine.runners import int4, lean
 
     assert lean.supports(model)
     if not int4.available():

@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from logprobe.api.app import create_app
 from logprobe.config import Limits
 from logprobe.engine.engine import Engine
-from logprobe.engine.request import SamplingParams, SequenceGroup
+from logprobe.engine.host.request import SamplingParams, SequenceGroup
 
 TOL = 2e-5
 

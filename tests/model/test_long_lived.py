@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from logprobe.api.app import create_app
 from logprobe.config import Limits
 from logprobe.engine.engine import Engine
-from logprobe.engine.kv_cache import Row, SlabCache
+from logprobe.engine.runners.kv_cache import Row, SlabCache
 
 TOL = 2e-5
 
@@ -233,8 +233,8 @@ def test_inconsistent_cache_after_a_request_failure_is_rebuilt(fresh, monkeypatc
 def test_hf_runner_uses_this_transformers_cache_keyword(tiny_model, tokenizer):
     """The transformers path passes its KV cache under the name this version reads, and a name the
     decoder ignores (swallowed by **kwargs) fails loudly instead of giving wrong numbers."""
-    from logprobe.engine.request import SamplingParams, SequenceGroup
-    from logprobe.engine.runner import CacheIgnored, ModelRunner
+    from logprobe.engine.host.request import SamplingParams, SequenceGroup
+    from logprobe.engine.runners.model_runner import CacheIgnored, ModelRunner
     from logprobe.tokens import TokenTable
     import inspect
 

@@ -1,4 +1,4 @@
-"""The prefix cache (engine/prefix_cache.py): prompt prefixes' keys, values and hidden states kept across
+"""The prefix cache (engine/runners/prefix_cache.py): prompt prefixes' keys, values and hidden states kept across
 batches of prompt-only groups, so the answers of one question sent in different batches (as
 lm-evaluation-harness's length sorting sends them) run the context through the blocks once. Every column
 must be what an engine without the cache gives, and the float64 reference's, with sliding windows
@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from logprobe.engine import prefix_cache
+from logprobe.engine.runners import prefix_cache
 from logprobe.engine.engine import Engine
-from logprobe.engine.prefix_cache import BLOCK, PrefixCache
-from logprobe.engine.request import SamplingParams, SequenceGroup
+from logprobe.engine.runners.prefix_cache import BLOCK, PrefixCache
+from logprobe.engine.host.request import SamplingParams, SequenceGroup
 from test_families import WINDOW, build
 
 TOL = 1e-5

@@ -1,4 +1,4 @@
-"""The prefix cache (engine/prefix_cache.py) for every kind of request: a generation's prompt starts after
+"""The prefix cache (engine/runners/prefix_cache.py) for every kind of request: a generation's prompt starts after
 its longest kept prefix and keeps its own blocks, a finished generation keeps its prompt and what it
 generated, a prompt-only batch and a generation find each other's. A client that picks every token
 itself (one request a token, `max_tokens` 1, its prompt the ids so far) runs one token through the blocks
@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from logprobe.engine.engine import Engine
-from logprobe.engine.prefix_cache import BLOCK, PrefixCache
-from logprobe.engine.request import SamplingParams, SequenceGroup
+from logprobe.engine.runners.prefix_cache import BLOCK, PrefixCache
+from logprobe.engine.host.request import SamplingParams, SequenceGroup
 from test_families import build
 from test_prefix_cache import check_reference, same_columns
 

@@ -1,4 +1,4 @@
-"""An interactive request among batch lines (engine/scheduler.py's priorities) on the tiny random
+"""An interactive request among batch lines (engine/host/scheduler.py's priorities) on the tiny random
 model: its prompt goes ahead of the queued batch lines and its rows share the decode passes of the
 running ones, and every number it reports is what it reports alone and what the float64 forward of the
 same weights gives; the batch lines' numbers too."""
@@ -10,7 +10,7 @@ import threading
 
 import numpy as np
 
-from logprobe.engine.request import SamplingParams, SequenceGroup
+from logprobe.engine.host.request import SamplingParams, SequenceGroup
 
 TOL = 1e-5  # as tests/model/test_batching.py
 

@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from logprobe.engine import contract, core, lean
+from logprobe.engine import contract, core
+from logprobe.engine.runners import lean
 from logprobe.engine.contract import Runner
 from logprobe.engine.core import EngineCore
-from logprobe.engine.request import SamplingParams, SequenceGroup
-from logprobe.engine.runner import ModelRunner
+from logprobe.engine.host.request import SamplingParams, SequenceGroup
+from logprobe.engine.runners.model_runner import ModelRunner
 
 ENGINE = Path(core.__file__).parent
 DECLARED = [name for name, value in vars(Runner).items() if inspect.isfunction(value) and not name.startswith("_")]
@@ -68,7 +69,8 @@ def _runner_calls(tree: ast.AST) -> tuple[set[str], list[str]]:
     return attrs, sniffs
 
 
-@pytest.mark.parametrize("module", ["core.py", "engine.py", "captures.py", "tree_passes.py", "prompt_columns.py"])
+@pytest.mark.parametrize("module", ["core.py", "engine.py", "host/captures.py", "device/tree_passes.py",
+                                    "runners/prompt_columns.py"])
 def test_the_host_side_calls_only_the_contract(module):
     attrs, sniffs = _runner_calls(ast.parse((ENGINE / module).read_text()))
     assert not sniffs

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from logprobe.engine.engine import Engine
-from logprobe.engine.lean import shared_prefixes
-from logprobe.engine.request import SamplingParams, SequenceGroup
+from logprobe.engine.runners.lean import shared_prefixes
+from logprobe.engine.host.request import SamplingParams, SequenceGroup
 from test_families import build
 
 TOL = 1e-5

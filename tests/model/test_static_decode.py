@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from logprobe.engine.lean import fixed_shape
+from logprobe.engine.runners.lean import fixed_shape
 from logprobe.engine.engine import Engine
-from logprobe.engine.request import SamplingParams, SequenceGroup
+from logprobe.engine.host.request import SamplingParams, SequenceGroup
 from test_families import build
 
 TOL = 1e-5

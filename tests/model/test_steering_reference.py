@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from logprobe.engine.engine import Engine
-from logprobe.engine.request import SamplingParams, SequenceGroup
+from logprobe.engine.host.request import SamplingParams, SequenceGroup
 from logprobe.backend import Constraint
 
 TOL = 4e-5  # as test_instruments_reference.py (the same sharp model), plus a relative 1e-5
@@ -262,7 +262,7 @@ def test_plain_answers_unchanged_beside_steered(engine):
 
 
 class DigitGrammar:
-    """A test double of engine/grammar.py's GrammarState: up to `length` digit tokens, then the end."""
+    """A test double of engine/host/grammar.py's GrammarState: up to `length` digit tokens, then the end."""
 
     def __init__(self, digits: np.ndarray, stop_ids, length: int = 3):
         self.digits, self.stop_ids, self.length, self.taken = digits, sorted(stop_ids), length, []

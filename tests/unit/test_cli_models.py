@@ -24,7 +24,7 @@ def test_aliases_follow_their_model():
 
 
 def test_colliding_names_are_refused(monkeypatch):
-    from logprobe.engine import loader
+    from logprobe.engine.runners import loader
 
     sources = {"one": loader.ModelSource("dir", "/m/one", "org/one", ["shared"]),
                "two": loader.ModelSource("dir", "/m/two", "org/two", [])}
@@ -44,7 +44,7 @@ def test_replicas_take_one_model(capsys):
 def test_engines_are_built_by_one_builder(monkeypatch):
     """`logprobe serve` builds each model's engine with Engine.from_settings, as a Ray replica does, with
     the model's own aliases first and the --alias values it lacks after them."""
-    from logprobe.engine import loader
+    from logprobe.engine.runners import loader
     from logprobe.engine.engine import Engine
 
     sources = {"one": loader.ModelSource("dir", "/m/one", "org/one", ["own"]),

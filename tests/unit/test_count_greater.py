@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from logprobe.engine.instruments import count_greater
+from logprobe.engine.device.instruments import count_greater
 
 
 @pytest.mark.parametrize("vocab", [8, 49_152, 128_256, 262_144, 32_064, 50_257, 13])

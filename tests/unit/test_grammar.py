@@ -1,4 +1,4 @@
-"""engine/grammar.py: constraints compiled with llguidance on the bundled SmolLM2 tokenizer, the cache,
+"""engine/host/grammar.py: constraints compiled with llguidance on the bundled SmolLM2 tokenizer, the cache,
 and every allowed set checked against one computed here from the tokens' bytes alone (which tokens keep
 the text a prefix of a choice; which keep it inside [0-9]*)."""
 
@@ -11,7 +11,7 @@ import pytest
 
 from fake_backend import TinyTokenizer
 from logprobe.backend import Constraint
-from logprobe.engine import grammar
+from logprobe.engine.host import grammar
 from logprobe.tokens import TokenTable
 
 PADDING = 64  # the model's vocabulary is larger than the tokenizer's by this many padding ids

@@ -1,5 +1,5 @@
 """The engine's host side without a model: the sampler's host array cut into named `Pick`s
-(engine/picks.py), and the output processor (engine/output_processor.py) recording them and applying
+(engine/host/picks.py), and the output processor (engine/host/output_processor.py) recording them and applying
 the stop rules. Both run in the engine and in its test double, and import no torch."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import numpy as np
 
 from fake_backend import TinyTokenizer
 from logprobe.backend import SamplingParams
-from logprobe.engine.output_processor import OutputProcessor
-from logprobe.engine.picks import Pick, split_picks
-from logprobe.engine.request import SequenceGroup
+from logprobe.engine.host.output_processor import OutputProcessor
+from logprobe.engine.host.picks import Pick, split_picks
+from logprobe.engine.host.request import SequenceGroup
 from logprobe.tokens import TokenTable
 
 TABLE = TokenTable.build(TinyTokenizer(), 258)
@@ -102,10 +102,17 @@ def test_instrument_columns_and_processed_values_go_to_the_row_log():
 
 
 def test_the_host_side_imports_no_torch():
-    code = ("import sys\n"
-            "import logprobe.engine.output_processor, logprobe.engine.picks, logprobe.engine.streaming, "
-            "logprobe.engine.scheduler, logprobe.engine.captures, logprobe.engine.random_streams\n"
+    """Every module of the engine's host package (found by where it stands, not by a list) imports
+    without torch or transformers; the package holds the scheduler, the request state and the output
+    processor at least."""
+    code = ("import importlib, pkgutil, sys\n"
+            "import logprobe.engine.host as host\n"
+            "names = sorted(m.name for m in pkgutil.iter_modules(host.__path__))\n"
+            "for name in names: importlib.import_module('logprobe.engine.host.' + name)\n"
+            "print(names)\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[]"
+    names, loaded = done.stdout.strip().splitlines()
+    assert {"scheduler", "request", "output_processor", "picks", "tree", "streaming"} <= set(eval(names))
+    assert loaded == "[]"

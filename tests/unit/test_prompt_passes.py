@@ -1,8 +1,8 @@
-"""How a batch of prompt-only prompts is cut into passes of like length (engine/lean/prompt_batch.by_length)."""
+"""How a batch of prompt-only prompts is cut into passes of like length (engine/runners/lean/prompt_batch.by_length)."""
 
 from __future__ import annotations
 
-from logprobe.engine.lean.prompt_batch import by_length
+from logprobe.engine.runners.lean.prompt_batch import by_length
 
 
 def padding(lengths: list[int], passes: list[list[int]]) -> float:

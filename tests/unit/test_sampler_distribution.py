@@ -1,4 +1,4 @@
-"""The batched sampler (engine/sampler.py) and the counter-based streams (engine/random_streams.py): the
+"""The batched sampler (engine/device/sampler.py) and the counter-based streams (engine/host/random_streams.py): the
 processed distribution (`logprobs_mode`) is the one tokens are drawn from; a row's token does not depend
 on the rows beside it; sampling frequencies from the streams' numbers agree with the distribution, which agrees
 with a float64 reading of the API's description (tests/fake_backend.py)."""
@@ -11,8 +11,8 @@ import torch
 
 from fake_backend import filtered_scores as reference_scores
 from logprobe.backend import SamplingParams
-from logprobe.engine.sampler import BatchSettings, sample_batch, sample_row, sample_with_distribution
-from logprobe.engine.random_streams import Stream
+from logprobe.engine.device.sampler import BatchSettings, sample_batch, sample_row, sample_with_distribution
+from logprobe.engine.host.random_streams import Stream
 
 SETTINGS = [dict(temperature=0.6), dict(temperature=1.4, top_k=6), dict(temperature=1.0, top_p=0.7),
             dict(temperature=0.8, top_k=10, top_p=0.85)]
@@ -122,8 +122,8 @@ def test_a_rows_random_numbers_are_splitmix64_from_its_seed():
     """The sampler's numbers in tensor operations are SplitMix64's outputs: the reference generator's
     published first outputs for seed 1234567, and a pure-Python SplitMix64 (random_streams._mix) for seeds
     over the whole 64-bit range (those of 2**63 and above are held as negative int64)."""
-    from logprobe.engine.sampler import _signed, noise, splitmix64
-    from logprobe.engine.random_streams import _GAMMA, _MASK, _mix
+    from logprobe.engine.device.sampler import _signed, noise, splitmix64
+    from logprobe.engine.host.random_streams import _GAMMA, _MASK, _mix
 
     first = splitmix64(torch.tensor([1234567]), 3)[0].numpy().view(np.uint64).tolist()
     assert first == [6457827717110365317, 3203168211198807973, 9817491932198370423]

@@ -1,4 +1,4 @@
-"""The scheduler (engine/scheduler.py) on made-up groups, with no model: arrival order, prompt-only
+"""The scheduler (engine/host/scheduler.py) on made-up groups, with no model: arrival order, prompt-only
 batches, the prefill budgets and chunks, the groups' computed tokens, lingering, aborted groups, and
 interactive groups served before batch groups."""
 
@@ -8,8 +8,8 @@ import pytest
 
 from fake_backend import TinyTokenizer
 from logprobe.backend import FinishReason, SamplingParams
-from logprobe.engine.request import SequenceGroup
-from logprobe.engine.scheduler import Scheduler
+from logprobe.engine.host.request import SequenceGroup
+from logprobe.engine.host.scheduler import Scheduler
 from logprobe.tokens import TokenTable
 
 TABLE = TokenTable.build(TinyTokenizer(), 258)

@@ -1,4 +1,4 @@
-"""engine/steering.py on made-up rows: the masks of allowed_token_ids, bad words (one token: always;
+"""engine/device/steering.py on made-up rows: the masks of allowed_token_ids, bad words (one token: always;
 several: only after the tokens before the last) and a grammar (complete and allowing only the end: the
 stop tokens alone), the scores the sampler draws from, the allowed log mass (exactly 0 where nothing is
 masked), and `steered_distributions` against a float64 computation."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from logprobe.backend import SamplingParams
-from logprobe.engine.steering import NoAllowedToken, Steering, allowed_logmass, steered_distributions
+from logprobe.engine.device.steering import NoAllowedToken, Steering, allowed_logmass, steered_distributions
 
 V = 12
 

@@ -70,8 +70,8 @@ def test_legacy_shape_own_token_first_and_k_plus_one():
 def test_sampling_at_extreme_temperatures_picks_a_real_token():
     import torch
 
-    from logprobe.engine.request import SamplingParams
-    from logprobe.engine.sampler import sample_row
+    from logprobe.engine.host.request import SamplingParams
+    from logprobe.engine.device.sampler import sample_row
 
     row = torch.log_softmax(torch.randn(1000, generator=torch.Generator().manual_seed(0)), -1)
     for t in (5e-324, 1e-300, 1e-6, 1e-5, 2.0):
@@ -88,7 +88,7 @@ def test_gguf_cache_is_per_transformers_version(tmp_path, monkeypatch):
     versions) is never read by another."""
     import transformers
 
-    from logprobe.engine import loader
+    from logprobe.engine.runners import loader
 
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")

@@ -1,4 +1,4 @@
-"""Token trees in the scheduler (engine/scheduler.py), on made-up groups with no model: a tree grows a level
+"""Token trees in the scheduler (engine/host/scheduler.py), on made-up groups with no model: a tree grows a level
 in every step beside the other work, never waits behind the queue, and leaves when finished or aborted."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import numpy as np
 
 from fake_backend import TinyTokenizer
 from logprobe.backend import SamplingParams, TreeShape
-from logprobe.engine.request import SequenceGroup
-from logprobe.engine.scheduler import Scheduler
-from logprobe.engine.tree import Children, TreeGroup
+from logprobe.engine.host.request import SequenceGroup
+from logprobe.engine.host.scheduler import Scheduler
+from logprobe.engine.host.tree import Children, TreeGroup
 from logprobe.tokens import TokenTable
 
 TABLE = TokenTable.build(TinyTokenizer(), 258)

@@ -22,7 +22,7 @@ from ..output.logprobs import TokenNamer, chat_logprobs_content, wire_floats
 from .caps import check_request_caps, check_text_length
 from .errors import InvalidRequest
 from .output_blocks import (Parts, instrument_blocks, lens_of, prompt_logprobs_parts, residual_layers, residual_of,
-                            unmodified_of)
+    unmodified_of)
 from .schemas import ChatBody
 from .schemas.sampling import ResidualRequest
 from .steering import check_steering, with_bad_words

@@ -14,7 +14,7 @@ import numpy as np
 
 from ..backend import Constraint
 from ..config import Limits
-from ..engine import grammar
+from ..engine.host import grammar
 from ..tokens import TextAssembler
 from .errors import InvalidRequest
 

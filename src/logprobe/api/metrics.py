@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from ..engine import grammar
+from ..engine.host import grammar
 
 LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 STEP = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12)
@@ -90,7 +90,7 @@ class Metrics:
         self.watch_grammars()
 
     def watch_grammars(self) -> None:
-        """The grammar cache of this process (engine/grammar.py): the API looks up every request's
+        """The grammar cache of this process (engine/host/grammar.py): the API looks up every request's
         constraint before it is held, and an engine in the same process each sequence's (a Ray
         replica's lookups are its own)."""
         r = self.registry

@@ -1,6 +1,6 @@
 """Steering fields that need the model: `logit_bias` and `allowed_token_ids` checked against its
 vocabulary, and `bad_words` tokenized with its tokenizer, before anything is held (docs/api.md,
-section 2.5). The engine applies them (engine/steering.py)."""
+section 2.5). The engine applies them (engine/device/steering.py)."""
 
 from __future__ import annotations
 

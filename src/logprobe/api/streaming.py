@@ -1,6 +1,6 @@
 """Server-sent events: the backend's per-choice deltas (backend.Delta) -> `data: <chunk>` lines.
 
-The backend decides which tokens can go out after each step (engine/streaming.py); the route's formatter
+The backend decides which tokens can go out after each step (engine/host/streaming.py); the route's formatter
 turns each list of deltas into chunks.
 """
 

@@ -5,7 +5,7 @@ children in the processed distribution (the one a token would be drawn from: tem
 top-p, a constraint) are expanded to `depth` tokens; a stop token (end of text) is a leaf. Why a route of
 its own rather than `max_tokens: 1` requests: the engine runs the prompt once and each level of the
 tree as one pass over its nodes, reusing the keys and values of the prompt and of each node's ancestors
-(engine/tree.py), where one request per inner node runs the prompt again every time.
+(engine/host/tree.py), where one request per inner node runs the prompt again every time.
 
 The answer lists the nodes breadth first (the likeliest sibling first), each with its parent and
 children by index, so a client can walk it either way. Choices made where nothing is prescribed:

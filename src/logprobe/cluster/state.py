@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 
 from ..api.admission import (BATCH_WAIT_S, Hold, TokenBucket, batch_never_fits_budget, budget_headers,
-                             budget_wait_too_long, never_fits_budget, over_capacity, waited_too_long)
+    budget_wait_too_long, never_fits_budget, over_capacity, waited_too_long)
 from ..api.errors import Unavailable
 from ..backend import BATCH, INTERACTIVE
 

@@ -59,7 +59,7 @@ class InProcessScorer:
         """Load `model` (a name `logprobe serve --model` takes; None: the bundled model) and start its
         engine. `close()` stops it."""
         from ..config import Settings
-        from ..engine import loader
+        from ..engine.runners import loader
         from ..engine.engine import Engine
 
         source = loader.resolve_source(model)

@@ -18,8 +18,8 @@ from typing import Callable, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from .interventions import Edits
-from .request import PromptColumns, SequenceGroup
+from .runners.interventions import Edits
+from .host.request import PromptColumns, SequenceGroup
 
 
 @runtime_checkable

@@ -1,12 +1,17 @@
 """The engine's core: the step loop, on the engine thread only, and what one step does.
 
-A step is schedule (scheduler.py: which groups, which prompt chunks), run (the runner's forward passes),
-pick (the tokens, chosen on the device and brought to the host in one array, picks.py) and record
-(output_processor.py, no torch: tokens, stops, finish). Per-request work after a shared pass runs in
-`_per_request`, so a failure there fails that request only; a failure of the shared pass fails the
-step's requests and resets the runner. The count of failures and the self-check's schedule are the
-engine's health (health.py); constrained rows' grammar masks are computed beside the decode pass
-(grammar_masks.py). Engine (engine.py) adds the model, the thread and the async front.
+A step is schedule (host/scheduler.py: which groups, which prompt chunks), run (the runner's forward
+passes, through the runner contract: contract.py), pick (the tokens, chosen on the device and brought to
+the host in one array, host/picks.py) and record (host/output_processor.py, no torch: tokens, stops,
+finish). Per-request work after a shared pass runs in `_per_request`, so a failure there fails that
+request only; a failure of the shared pass fails the step's requests and resets the runner. The count of
+failures and the self-check's schedule are the engine's health (host/health.py); constrained rows'
+grammar masks are computed beside the decode pass (device/grammar_masks.py). Engine (engine.py) adds the
+model, the thread and the async front.
+
+The engine's folder shows its parts: host/ (torch-free: what a request is, scheduling, what picks do on
+the host), runners/ (the model's passes and every tensor kept between them: the KV and prefix caches),
+device/ (picking and steering on the device after a pass), and here the loop that joins them.
 """
 
 from __future__ import annotations
@@ -20,19 +25,19 @@ import torch
 
 from ..backend import ModelInfo, RequestAborted
 from ..tokens import TokenTable
-from .captures import capture_finished
+from .host.captures import capture_finished
 from .contract import Runner
-from .grammar_masks import GrammarMasks
-from .health import EngineHealth
-from .heap import trim_heap
-from .instruments import pick_with_instruments
-from .interventions import Edits
-from .output_processor import OutputProcessor
-from .picks import Pick, pick_plain_groups, split_plain_picks
-from .request import SequenceGroup
-from .scheduler import Chunk, Plan, Scheduler
-from .tree_passes import grow_tree
-from .steering import steering_of
+from .device.grammar_masks import GrammarMasks
+from .host.health import EngineHealth
+from .host.heap import trim_heap
+from .device.instruments import pick_with_instruments
+from .runners.interventions import Edits
+from .host.output_processor import OutputProcessor
+from .host.picks import Pick, pick_plain_groups, split_plain_picks
+from .host.request import SequenceGroup
+from .host.scheduler import Chunk, Plan, Scheduler
+from .device.tree_passes import grow_tree
+from .device.steering import steering_of
 
 log = logging.getLogger("logprobe.engine")
 
@@ -176,7 +181,7 @@ class EngineCore:
             self._prefill(plan.prefill)
         if plan.score:
             self._score(plan.score)
-        for tree in plan.trees:  # each its own pass over its prompt or its newest level (engine/tree.py)
+        for tree in plan.trees:  # each its own pass over its prompt or its newest level (engine/host/tree.py)
             self._per_request(tree, self._grow_tree)
 
     def _decode(self, groups: list[SequenceGroup]) -> None:
@@ -197,9 +202,9 @@ class EngineCore:
                 self._per_request(group, self._decoded, rows, pick)
 
     def new_grammar_state(self, constraint):
-        """A new sequence's grammar state (engine/grammar.py), made when its group starts decoding or a
+        """A new sequence's grammar state (engine/host/grammar.py), made when its group starts decoding or a
         tree is steered; looked up on the engine at each call, so a test may replace it."""
-        from .grammar import new_state
+        from .host.grammar import new_state
 
         return new_state(constraint, self)
 

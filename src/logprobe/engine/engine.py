@@ -14,12 +14,12 @@ from collections.abc import AsyncIterator
 
 from ..backend import Delta, GenerationOutput, GenerationRequest, ModelInfo, StreamEnd, finished_without_forward
 from .core import EngineCore
-from .heap import trim_heap
-from .request import SequenceGroup
-from .streaming import attach_releasers
-from .tree import group_for
-from . import lean
-from .runner import ModelRunner
+from .host.heap import trim_heap
+from .host.request import SequenceGroup
+from .host.streaming import attach_releasers
+from .host.tree import group_for
+from .runners import lean
+from .runners.model_runner import ModelRunner
 from ..tokens import TokenTable
 
 
@@ -58,13 +58,13 @@ class Engine(EngineCore):
     def __init__(self, model, tokenizer, name: str, aliases: list[str] = (), fast: bool | None = None,
                  max_model_len: int | None = None, kv_cache_positions: int = 256, prefix_cache_mb: int = 256):
         """`fast`: run the model on logprobe's own batched decode path, the lean runner (default: wherever a
-        family in engine/families/ runs it; why not is logged); False keeps transformers' forward with a
+        family in engine/runners/families/ runs it; why not is logged); False keeps transformers' forward with a
         cache per request.
         `max_model_len`: serve a shorter context than the model's (prompt + generated tokens), as vLLM's
         option of that name. `kv_cache_positions`: positions per slot the batched KV cache starts with
         (it doubles as sequences grow, up to the context, and returns to this size when idle).
         `prefix_cache_mb`: memory for prompt prefixes' keys and values kept across batches of prompt-only
-        requests (engine/prefix_cache.py; 0 turns it off; the lean runner only)."""
+        requests (engine/runners/prefix_cache.py; 0 turns it off; the lean runner only)."""
         self.model = model
         self.tokenizer = tokenizer
         self.info = describe_model(model, tokenizer, name, list(aliases))
@@ -98,7 +98,7 @@ class Engine(EngineCore):
         """The engine of one served model, as `logprobe serve` and a Ray replica build it: `source`
         (loader.resolve_source) loaded with the settings' dtype, device and quantization, the
         --chat-template if any, and the settings' context and cache sizes (config.Settings)."""
-        from . import loader
+        from .runners import loader
 
         model, tokenizer = loader.load(source, dtype=settings.dtype, device=settings.device,
                                        quantization=settings.quantization)

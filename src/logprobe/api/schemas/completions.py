@@ -13,9 +13,9 @@ from .. import validation as v
 from ..errors import InvalidRequest
 from .base import DEFAULT_LIMITS as _L, Cap, Neutral, RequestModel, Unbounded, check, parses
 from .constraints import ConstraintFields, ResponseFormatField, StructuredOutputsField
-from .sampling import (N, AllowedTokenIds, BadWords, Interventions, Lens, LogitBias, LogprobsMode, LogprobTokenIds, PositionStats, PromptLogprobs,
-                       ResidualStream, ReturnUnmodified, SamplingFields, Seed, Stop, Stream, StreamOptionsField,
-                       Temperature, TokensAsIds, TopK, TopLogprobsP, TopP, User, VocabEncoding)
+from .sampling import (N, AllowedTokenIds, BadWords, Interventions, Lens, LogitBias, LogprobsMode, LogprobTokenIds,
+    PositionStats, PromptLogprobs, ResidualStream, ReturnUnmodified, SamplingFields, Seed, Stop, Stream,
+    StreamOptionsField, Temperature, TokensAsIds, TopK, TopLogprobsP, TopP, User, VocabEncoding)
 
 Prompt = Union[str, list[str], list[int], list[list[int]]]
 PROMPT_TYPE = "a string, an array of strings, an array of integers or an array of arrays of integers"

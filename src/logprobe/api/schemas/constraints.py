@@ -18,7 +18,7 @@ import llguidance
 from pydantic import Field
 
 from ...backend import Constraint
-from ...engine import grammar
+from ...engine.host import grammar
 from .. import validation as v
 from ..errors import InvalidRequest
 from .base import RequestModel, check, parses

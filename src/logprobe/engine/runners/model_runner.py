@@ -16,7 +16,7 @@ from transformers import DynamicCache
 
 from .interventions import Edits, segment_editor
 from .prompt_columns import CaptureDone, PromptColumnWriter, logit_lens
-from .request import PromptColumns, SequenceGroup
+from ..host.request import PromptColumns, SequenceGroup
 
 
 class CacheIgnored(RuntimeError):

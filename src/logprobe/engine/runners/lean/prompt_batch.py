@@ -19,7 +19,7 @@ import torch
 from ..interventions import segment_editor
 from ..prefix_cache import BLOCK
 from ..prompt_columns import copy_rows
-from ..request import PromptColumns, SequenceGroup
+from ...host.request import PromptColumns, SequenceGroup
 from .attention import PassMeta, PrefixedKV
 
 

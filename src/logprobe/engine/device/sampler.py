@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..backend import SamplingParams
-from .random_streams import _GAMMA, _MASK  # SplitMix64's increment, and 64 bits
+from ...backend import SamplingParams
+from ..host.random_streams import _GAMMA, _MASK  # SplitMix64's increment, and 64 bits
 
 
 def _signed(value: int) -> int:

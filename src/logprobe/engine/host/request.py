@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..backend import (ChoiceOutput, FinishReason, GenerationOutput, GenerationRequest, PositionColumns,
-                       PromptColumns, SamplingParams)
-from ..tokens import TextAssembler, TokenTable
+from ...backend import (ChoiceOutput, FinishReason, GenerationOutput, GenerationRequest, PositionColumns,
+    PromptColumns, SamplingParams)
+from ...tokens import TextAssembler, TokenTable
 from .random_streams import Stream
 
 __all__ = ["FinishReason", "PromptColumns", "SamplingParams", "SequenceState", "SequenceGroup", "RowLog"]
@@ -36,7 +36,7 @@ class SequenceState:
         self.lens: dict | None = None  # layer -> PromptColumns of prompt + kept tokens (logit lens)
         self.unmodified: PromptColumns | None = None  # prompt + kept tokens without the interventions
         self.rows: RowLog | None = None  # instrument rows, for a request that asked for instruments
-        self.grammar = None  # a constrained request's grammar state (engine/grammar.py), set when it starts
+        self.grammar = None  # a constrained request's grammar state (engine/host/grammar.py), set when it starts
 
     @property
     def is_finished(self) -> bool:
@@ -107,7 +107,7 @@ class SequenceGroup:
         self.error: BaseException | None = None
         self.on_finish = None  # callable, set by the engine's async front
         self.on_step = None  # callable(group), run on the engine thread after each step (streaming)
-        self.steering = None  # engine/steering.py's Steering of a steered request, built at its first pick
+        self.steering = None  # engine/device/steering.py's Steering of a steered request, built at its first pick
         self.grammar_masks = None  # [(allowed [V] bool, accepting)] per active row, for its next pick
         self.priority = "interactive"  # or "batch": waits for what interactive groups leave (scheduler.py)
 

@@ -9,7 +9,7 @@ import torch
 
 from ..interventions import segment_editor
 from ..prefix_cache import BLOCK, Store, grown
-from ..request import SequenceGroup
+from ...host.request import SequenceGroup
 from .attention import ChunkKV, PassMeta
 
 

@@ -12,9 +12,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .instruments import count_greater, fill_prompt_extras, new_prompt_extras
+from ..device.instruments import count_greater, fill_prompt_extras, new_prompt_extras
 from .interventions import Edits
-from .request import PromptColumns, SamplingParams
+from ..host.request import PromptColumns, SamplingParams
 
 POSITION_CHUNK = 256  # prompt positions whose logits are materialised at once, at most
 CHUNK_ENTRIES = 256 * 49_152  # ... and at most this many logits (positions x vocabulary): 48 positions

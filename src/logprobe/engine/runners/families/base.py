@@ -1,4 +1,4 @@
-"""What a model family tells the lean runner (engine/lean/), and the parts families share.
+"""What a model family tells the lean runner (engine/runners/lean/), and the parts families share.
 
 The runner runs every family's blocks with one loop: queries, keys and values from one fused product,
 optional norms on the queries and keys, RoPE, attention over its slot KV cache (masked to the layer's

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import time
 
-from ..backend import SamplingParams
-from ..tokens import TokenTable
+from ...backend import SamplingParams
+from ...tokens import TokenTable
 from .request import SequenceGroup
 
 

@@ -8,7 +8,7 @@ streaming.py, the columns a finished group hands back in request.py.
 
 from __future__ import annotations
 
-from ..backend import FinishReason
+from ...backend import FinishReason
 from .picks import Pick
 from .request import RowLog, SequenceGroup, SequenceState
 

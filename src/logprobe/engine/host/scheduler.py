@@ -5,7 +5,7 @@ max_tokens 0: they share one padded forward pass) when one is first in line, one
 running group (one batched pass over all their rows), and the next chunk of each prompt being prefilled.
 A new request therefore joins the running batch within a step or two, finished ones leave at once, and
 a long prompt is prefilled a chunk per step without holding back the others' decoding. Token trees
-(engine/tree.py) skip the queue: each grows one level, one pass of its own, in every step until done.
+(engine/host/tree.py) skip the queue: each grows one level, one pass of its own, in every step until done.
 
 Waiting groups are served in arrival order within two classes: interactive groups (HTTP requests)
 before batch groups (lines of a /v1/batches job, `SequenceGroup.priority`), so an interactive request
@@ -59,7 +59,7 @@ class Plan:
     score: list[SequenceGroup] = field(default_factory=list)  # prompt-only groups, one padded pass
     prefill: list[Chunk] = field(default_factory=list)  # prompt chunks, in order, packed in one pass
     decode: list[SequenceGroup] = field(default_factory=list)  # one token for each active row
-    trees: list[TreeGroup] = field(default_factory=list)  # token trees: a level (a pass) of each (engine/tree.py)
+    trees: list[TreeGroup] = field(default_factory=list)  # token trees: a level (a pass) of each (engine/host/tree.py)
 
     @property
     def groups(self) -> list[SequenceGroup]:

@@ -63,7 +63,7 @@ def pick_plain_groups(groups: list[SequenceGroup], logprob_rows: list[torch.Tens
     device and brought to the host in one transfer. None for the other groups."""
     import torch  # here, not at the top: the host side imports this module without torch
 
-    from .sampler import BatchSettings, pick as pick_on_device
+    from ..device.sampler import BatchSettings, pick as pick_on_device
 
     plain = [i for i, g in enumerate(groups) if not g.picks_alone and g.active_rows]
     if not plain:

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import llguidance
 import numpy as np
 
-from ..backend import Constraint
-from ..tokens import TokenTable
+from ...backend import Constraint
+from ...tokens import TokenTable
 
 KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 CACHE_SIZE = 256  # compiled grammars kept (least recently used dropped first)

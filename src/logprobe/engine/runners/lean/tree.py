@@ -1,4 +1,4 @@
-"""A token tree's passes on the lean runner (engine/tree.py): the prompt once, then each level of the tree
+"""A token tree's passes on the lean runner (engine/host/tree.py): the prompt once, then each level of the tree
 as one pass over its nodes, like the tree verification of speculative decoding.
 
 The tree's keys and values live in one buffer per layer, `TreeKV` ([KV, P + inner nodes, d]): the
@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ...backend import TreeShape
-from ..tree import TreeGroup
+from ....backend import TreeShape
+from ...host.tree import TreeGroup
 from .attention import ChunkKV, PassMeta
 from .prefill import prepare_prefill
 

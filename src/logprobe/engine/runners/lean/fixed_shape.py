@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from ..request import SamplingParams
-from ..sampler import SETTINGS_COLUMNS, BatchSettings, pick, splitmix64
+from ...host.request import SamplingParams
+from ...device.sampler import SETTINGS_COLUMNS, BatchSettings, pick, splitmix64
 from .attention import PassMeta, SlabRows
 
 # The lowest torch that `compile_step` is tested on: torch 2.6 cannot trace the pass (its CPU

@@ -4,7 +4,7 @@ double (tests/fake_backend.py) grow the same `TreeGroup` from the same `Children
 
 The tree grows one level per engine step (engine/core.py runs a step's trees after its other work): the
 first pass runs the prompt, each later pass runs every node of the newest level at once, each node
-attending to the prompt's keys and values and to its own ancestors' (engine/tree_passes.py; on the lean
+attending to the prompt's keys and values and to its own ancestors' (engine/device/tree_passes.py; on the lean
 runner a tree attention mask over keys and values kept for the whole tree, lean/tree.py). So the prompt is
 computed once and each expanded node once: a tree of N nodes runs P + (its expanded nodes) tokens, where
 asking for each node's children with its own request runs P + depth tokens per inner node.
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..backend import GenerationOutput, GenerationRequest, SamplingParams, TokenTree, TreeShape
-from ..tokens import TokenTable
+from ...backend import GenerationOutput, GenerationRequest, SamplingParams, TokenTree, TreeShape
+from ...tokens import TokenTable
 from .request import SequenceGroup
 
 

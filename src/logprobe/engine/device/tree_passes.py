@@ -1,4 +1,4 @@
-"""A token tree's passes on the device (engine/tree.py has the tree itself): one forward pass per level
+"""A token tree's passes on the device (engine/host/tree.py has the tree itself): one forward pass per level
 and the children of every node it ran, chosen on the device and brought to the host in one transfer.
 
 The lean runner runs a level as one pass over the level's nodes with a tree attention mask over keys and
@@ -12,11 +12,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..backend import SamplingParams, TreeShape
+from ...backend import SamplingParams, TreeShape
 from .instruments import entropy_of, ranks_of
 from .sampler import BatchSettings, filtered_scores
 from .steering import Steering, steered_distributions
-from .tree import Children, TreeGroup
+from ..host.tree import Children, TreeGroup
 
 def grow_tree(runner, tree: TreeGroup, new_grammar_state=None) -> None:
     """The tree's next level: one pass (the prompt, or the frontier's nodes) and their children recorded.
@@ -48,7 +48,7 @@ def steering_masks(tree: TreeGroup, vocab: int, new_grammar_state) -> np.ndarray
 
 def processed_rows(raw: torch.Tensor, params: SamplingParams, masks: np.ndarray | None = None) -> torch.Tensor:
     """[R, V] float32: the log probabilities of the distribution a token would be drawn from after each
-    row's raw ones ([R, V]): steering where the request has it (engine/steering.py: bias, `masks`), then
+    row's raw ones ([R, V]): steering where the request has it (engine/device/steering.py: bias, `masks`), then
     temperature, top-k and top-p (the sampler's own `filtered_scores`); a greedy request's is a point mass
     on the likeliest token. A row whose mask allows nothing is -inf throughout."""
     if params.is_steered:

@@ -13,7 +13,7 @@ import asyncio
 
 import numpy as np
 
-from ..backend import Delta
+from ...backend import Delta
 from .request import RowLog, SequenceGroup, SequenceState
 
 

@@ -16,8 +16,8 @@ from ..interventions import Edits, segment_editor
 from ..kv_cache import Row, SlabCache
 from ..prefix_cache import PrefixCache
 from ..prompt_columns import CaptureDone, PromptColumnWriter, logit_lens
-from ..request import PromptColumns, SequenceGroup
-from ..sampler import BatchSettings, to_device
+from ...host.request import PromptColumns, SequenceGroup
+from ...device.sampler import BatchSettings, to_device
 from .attention import Attention, PassMeta, SlabRows
 from .fixed_shape import FixedShapeSteps
 from .prefill import PrefillState, prefill_chunks

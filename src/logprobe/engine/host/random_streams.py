@@ -4,7 +4,7 @@ A choice's stream is a key (fixed by the request's `seed` and the choice's index
 request has no seed) and a counter (how many tokens the choice has generated): the seed its next
 token's random numbers are generated from is a pure function of the two, SplitMix64's output function
 applied to `key + counter * gamma` (a counter-based generator, as Philox is). The sampler seeds the
-device's own generator with it for that row and that step only (engine/sampler.py). So a seeded choice
+device's own generator with it for that row and that step only (engine/device/sampler.py). So a seeded choice
 draws the same numbers whatever else shares its batch and whatever it drew before, and the engine keeps
 no generator state per sequence, nor moves one between host and device. No torch here: the test
 double of the engine (tests/fake_backend.py) seeds numpy's generator from the same streams.

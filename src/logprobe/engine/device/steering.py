@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..backend import SamplingParams
+from ...backend import SamplingParams
 from .sampler import BatchSettings, filtered_scores, to_device
 
 

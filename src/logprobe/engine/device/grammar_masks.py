@@ -6,7 +6,7 @@ worker thread while the device runs the forward pass, and the grammar's CPU work
 instead of following it: llguidance releases the GIL while it walks its token trie, so the engine thread
 is not slowed. The pick then reads `group.grammar_masks` (steering.py `steering_of`).
 
-No llguidance import here: a grammar's state is made by the engine's `new_grammar_state` (engine/grammar.py).
+No llguidance import here: a grammar's state is made by the engine's `new_grammar_state` (engine/host/grammar.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
-from .request import SequenceGroup
+from ..host.request import SequenceGroup
 from .steering import grammar_rows
 
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..backend import PositionColumns, SamplingParams
-from .picks import Pick
+from ...backend import PositionColumns, SamplingParams
+from ..host.picks import Pick
 from .sampler import BatchSettings, sample_batch, sample_with_distribution
 from .steering import Steering, allowed_logmass, on_device
 
