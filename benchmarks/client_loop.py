@@ -26,9 +26,13 @@ HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 WORKER = r"""
 import asyncio, json, statistics, sys, time
 import torch
-from logprobe.engine import loader
 from logprobe.engine.engine import Engine
-from logprobe.engine.host.request import SamplingParams, SequenceGroup
+try:
+    from logprobe.engine.runners import loader
+    from logprobe.engine.host.request import SamplingParams, SequenceGroup
+except ImportError:  # a tree from before engine/ was laid out by role (a baseline)
+    from logprobe.engine import loader
+    from logprobe.engine.request import SamplingParams, SequenceGroup
 
 dtype, contexts, calls = sys.argv[1], [int(c) for c in sys.argv[2].split(",")], int(sys.argv[3])
 source = loader.resolve_source(None)

@@ -10,8 +10,10 @@ a network. Prints a table and writes it as JSON (`--out`).
    The newer decode paths on the same tiny float32 Llama, on the device against the CPU engine (the same
    tokens exactly, every number within 1e-4) and against float64: greedy under a JSON schema with
    `constraint_logprobs` (llguidance's masks on the grammar thread), seeded draws under logit_bias and
-   bad words (`logprobs_mode: "both"`), a token tree, and batch scoring lines held at a block of their
-   pass while interactive requests run there (their numbers as uninterrupted and as alone).
+   bad words (`logprobs_mode: "both"`), a token tree, batch scoring lines held at a block of their
+   pass while interactive requests run there (their numbers as uninterrupted and as alone), a client
+   loop on the prefix cache (a request a token, each a hit), and a stream's prompt run at a block of
+   an interactive scoring pass.
 3. A Llama-3.1-8B-shaped model with random weights in bfloat16 (32 layers, d_model 4096, 32 query and 8
    key/value heads, MLP 14,336, vocabulary 128,256), loaded straight onto the device:
    - prefill tok/s (4 prompts of 2,048 tokens, one token generated each) against the FLOP ceiling,
@@ -344,6 +346,48 @@ def interleaved_path(engine, model64):
     return exact, [g.prompt_columns.logprobs for g in [*lines, asked[0]]] + [seq.logprobs], worst, notes
 
 
+def client_loop_path(engine, model64, calls=24):
+    """A client picking every token (a request a token, max_tokens 1, its prompt the ids so far) on the
+    prefix cache: from the second call on one token through the blocks a call (prefix_cache.py); each
+    token's log probability against float64."""
+    from logprobe.engine.host.request import SamplingParams as Params, SequenceGroup as Group
+
+    cache = engine.runner.prefix_cache
+    hits, ids, tokens, logprobs, worst = cache.hits, [1] + [7 + (i * 37) % 900 for i in range(40)], [], [], 0.0
+    for _ in range(calls):
+        g = run_groups(engine, [Group("loop", list(ids), Params(max_tokens=1, logprobs=3, temperature=0),
+                                      engine.table)])[0]
+        token, lp = g.sequences[0].token_ids[0], g.sequences[0].logprobs[0]
+        worst = max(worst, abs(lp - reference_rows(model64, ids)[-1][token]))
+        tokens.append(token)
+        logprobs.append(lp)
+        ids = ids + [token]
+    return [np.asarray(tokens)], [np.asarray(logprobs)], float(worst), {"all_hits": cache.hits - hits == calls - 1}
+
+
+def prompt_step_path(engine, model64):
+    """Interactive scoring requests in a pass held at its first block while a generation is queued
+    (test_interleaved_steps, `_prompt_step`): its prompt runs there; every number as uninterrupted and alone."""
+    import test_interleaved_steps as steps
+
+    scores = [steps.make(engine, f"Scoring text {i} " + "with a few more words " * (3 + i), max_tokens=0,
+                         prompt_logprobs=2) for i in range(3)]
+    stream = steps.make(engine, "An interactive question about rivers", max_tokens=5, temperature=0, logprobs=3)
+    seen = []
+    steps.FirstBlock(engine, lambda n: seen.append((n, len(stream.sequences[0].token_ids),
+                                                   sum(g.is_finished for g in scores))),
+                     hook="_prompt_step").run(scores, [stream])
+    notes = {"at_first_block": bool(seen) and seen[0] == (1, 1, 0)}
+    alone = steps.copies([stream], engine.table)
+    run_groups(engine, alone)
+    notes["stream_as_alone"] = steps.numbers(alone[0]) == steps.numbers(stream)
+    seq = stream.sequences[0]
+    worst = raw_error(model64, stream.prompt_ids, seq.token_ids, seq.logprobs)
+    worst = max([worst] + [float(np.abs(g.prompt_columns.logprobs[1:] - reference_rows(model64, g.prompt_ids)[
+        np.arange(len(g.prompt_ids) - 1), g.prompt_ids[1:]]).max()) for g in scores])
+    return [np.asarray(seq.token_ids)], [g.prompt_columns.logprobs for g in scores] + [seq.logprobs], worst, notes
+
+
 def max_difference(a, b) -> float:
     """Largest |a - b| over the finite entries; infinite where their -inf entries differ."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
@@ -364,7 +408,7 @@ def decode_paths(device, tokenizer, tol=1e-4):
     model = build("llama", len(tokenizer))
     model64 = __import__("copy").deepcopy(model).double()
     paths = {"constrained": constrained_path, "steered": steered_path, "tree": tree_path,
-             "interleaved": interleaved_path}
+             "interleaved": interleaved_path, "client_loop": client_loop_path, "prompt_step": prompt_step_path}
     if importlib.util.find_spec("llguidance") is None:
         paths.pop("constrained")
     runs = {}

@@ -23,8 +23,12 @@ WORKER = r"""
 import json, statistics, sys, time
 import torch
 from logprobe.backend import SamplingParams
-from logprobe.engine.device.sampler import BatchSettings, sample_batch
-from logprobe.engine.host.random_streams import Stream
+try:
+    from logprobe.engine.device.sampler import BatchSettings, sample_batch
+    from logprobe.engine.host.random_streams import Stream
+except ImportError:  # a tree from before engine/ was laid out by role (a baseline)
+    from logprobe.engine.sampler import BatchSettings, sample_batch
+    from logprobe.engine.random_streams import Stream
 
 vocab, salt = int(sys.argv[1]), int(sys.argv[2])
 gen = torch.Generator().manual_seed(salt)

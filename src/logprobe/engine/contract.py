@@ -53,6 +53,12 @@ class Runner(Protocol):
         """`decode_groups`, and the rows' picks (sampler.pick's host array) where the runner picks them in
         its pass; None where the engine picks."""
 
+    def decode_with_prefill(self, groups: list[SequenceGroup], chunks: list[tuple[SequenceGroup, int]]
+                            ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]] | None:
+        """A decode step of `groups` and the next chunk of each prompt of `chunks` in one pass:
+        (`decode_groups`' answer, `prefill_chunks`' answer); None where the runner runs them apart (the
+        engine then calls those two)."""
+
     def select(self, group: SequenceGroup, keep: list[int]) -> None:
         """Keep the group's rows at the places `keep` (the others finished)."""
 

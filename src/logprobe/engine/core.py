@@ -174,20 +174,26 @@ class EngineCore:
         self.num_steps += 1
         self._resolve_edits(plan)
         # Decode first: the batch is then exactly the running groups' rows (a group whose prompt
-        # finishes in this step joins the batch in the next one).
+        # finishes in this step joins the batch in the next one). Where the runner can, the decode rows
+        # and the prompts' chunks share one pass (one read of the weights).
         if plan.decode:
-            self._decode(plan.decode)
-        if plan.prefill:
+            self._decode(plan.decode, plan.prefill)
+        elif plan.prefill:
             self._prefill(plan.prefill)
         if plan.score:
             self._score(plan.score)
         for tree in plan.trees:  # each its own pass over its prompt or its newest level (engine/host/tree.py)
             self._per_request(tree, self._grow_tree)
 
-    def _decode(self, groups: list[SequenceGroup]) -> None:
+    def _decode(self, groups: list[SequenceGroup], chunks: list[Chunk] = ()) -> None:
+        """A decode step of `groups`, and the prompts' `chunks` (in the same pass where the runner can)."""
         k = max(g.params.logprobs or 0 for g in groups)
+        prefilled = None
         with self.grammar_masks.beside(groups) as pending:  # on the grammar thread while the forward pass runs
-            if any(g.picks_alone for g in groups):
+            both = self.runner.decode_with_prefill(groups, chunks) if chunks else None
+            if both is not None:
+                (logprob_rows, prefilled), host = both, None
+            elif any(g.picks_alone for g in groups):
                 logprob_rows, host = self.runner.decode_groups(groups), None
             else:  # the runner may pick the tokens in its recorded pass
                 logprob_rows, host = self.runner.decode_and_pick(groups, k)
@@ -200,6 +206,8 @@ class EngineCore:
         for group, rows, pick in zip(groups, logprob_rows, picks):
             if group.error is None:  # not one whose grammar failed above
                 self._per_request(group, self._decoded, rows, pick)
+        if chunks:
+            self._prefill(chunks, prefilled)
 
     def new_grammar_state(self, constraint):
         """A new sequence's grammar state (engine/host/grammar.py), made when its group starts decoding or a
@@ -227,8 +235,9 @@ class EngineCore:
         if expanded and keep and len(keep) < num_rows:
             self.runner.select(group, keep)
 
-    def _prefill(self, chunks: list[Chunk]) -> None:
-        for chunk, logprob_rows in zip(chunks, self.runner.prefill_chunks(chunks)):
+    def _prefill(self, chunks: list[Chunk], done: list | None = None) -> None:
+        """The prompts' chunks (`done`: their answers where a shared pass ran them already)."""
+        for chunk, logprob_rows in zip(chunks, self.runner.prefill_chunks(chunks) if done is None else done):
             if logprob_rows is not None:  # the prompt is done: [1, V] for its first token
                 self._per_request(chunk.group, self._prefilled, logprob_rows)
 

@@ -250,6 +250,10 @@ class ModelRunner:
         """One decode step for every active row of these groups: [rows, V] per group."""
         return [self.decode(g, [g.sequences[i].token_ids[-1] for i in g.active_rows]) for g in groups]
 
+    def decode_with_prefill(self, groups: list[SequenceGroup], chunks: list[tuple[SequenceGroup, int]]) -> None:
+        """None: this runner's decode and prompts run apart (a cache per request)."""
+        return None
+
     def decode_and_pick(self, groups: list[SequenceGroup], k: int) -> tuple[list[torch.Tensor], np.ndarray | None]:
         """`decode_groups`, and where the runner can pick the rows' tokens in the same recorded pass (a
         CUDA graph on the lean runner), what the engine would bring to the host for them (sampler.pick's

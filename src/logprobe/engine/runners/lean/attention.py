@@ -83,6 +83,9 @@ class PassMeta:
     slabs: list[SlabRows] | None = None  # a decode step: its rows slab by slab (then `masks` is unused)
     keep: Callable | None = None  # keep(layer, k, v) sees every layer's keys and values (prefix cache)
     few_rows: bool = False  # a decode step small enough for the 4-bit weights
+    # a decode step and prompt chunks in one pass, packed in one row: its first `split` tokens are the
+    # decode rows (attention through `slabs`), the rest the chunks (through `kv` and `masks`)
+    split: int | None = None
 
 
 class Attention:
@@ -101,8 +104,20 @@ class Attention:
         """q [B, H, T, d], k and v [B, KV, T, d] of this pass's tokens -> [B, H, T, d]."""
         if meta.keep is not None:
             meta.keep(layer, k, v)
+        if meta.split is not None:  # decode rows, then prompt chunks, packed in one row
+            r = meta.split
+            rows = self.attend_rows(layer, q[0, :, :r, None].transpose(0, 1), k[0, :, :r, None].transpose(0, 1),
+                                    v[0, :, :r, None].transpose(0, 1), meta.slabs)  # [R, H, 1, d]
+            prompts = self.attend_prompt(layer, q[:, :, r:], k[:, :, r:], v[:, :, r:], meta)
+            return torch.cat([rows[:, :, 0].transpose(0, 1)[None], prompts], dim=2)
         if meta.slabs is not None:
             return self.attend_rows(layer, q, k, v, meta.slabs)
+        return self.attend_prompt(layer, q, k, v, meta)
+
+    def attend_prompt(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PassMeta
+                      ) -> torch.Tensor:
+        """Queries of prompt tokens (several a row) over the pass's keys and values, or those `meta.kv`
+        exchanges them for."""
         keys, values = (k, v) if meta.kv is None else meta.kv.exchange(layer, k, v)
         mask = meta.masks[self.windows[layer]]
         b, _, t, d = q.shape

@@ -76,6 +76,19 @@ def prefill_chunks(runner, chunks: list[tuple[SequenceGroup, int]]) -> list[torc
     one sequence, each attending only to its own prompt's keys so far. One read of the weights for
     all of them instead of one per prompt. Per group, the log probabilities of its first token to
     generate ([1, V]) where its prompt is done, else None."""
+    parts, ids, segments = begin_chunks(runner, chunks)
+    hidden = runner.forward(ids, prepare_prefill(runner, parts), edit=segment_editor(segments))[0]  # [sum of chunks, D]
+    out, finished = finish_chunks(runner, chunks, parts, hidden)
+    if finished:
+        logprobs = runner.logprobs_of(finished[0] if len(finished) == 1 else torch.cat(finished))
+        out = [None if o is None else logprobs[o:o + 1] for o in out]
+    return out
+
+
+def begin_chunks(runner, chunks: list[tuple[SequenceGroup, int]]) -> tuple[list, torch.Tensor, list]:
+    """Each (group, budget)'s next chunk: (parts (state, start, stop), their ids packed [1, C], the
+    interventions' segments of the packed row). A group's first chunk makes its state (after its longest
+    kept prefix) and its prompt columns (the kept prefix's filled from its hidden states)."""
     parts = []  # (state, start, stop)
     for group, budget in chunks:
         state = runner.prefill_state(group)
@@ -91,7 +104,13 @@ def prefill_chunks(runner, chunks: list[tuple[SequenceGroup, int]]) -> list[torc
     for (group, _), (_, start, stop) in zip(chunks, parts):
         segments.append((0, q0, q0 + stop - start, group.edits))
         q0 += stop - start
-    hidden = runner.forward(ids, prepare_prefill(runner, parts), edit=segment_editor(segments))[0]  # [sum of chunks, D]
+    return parts, ids, segments
+
+
+def finish_chunks(runner, chunks, parts, hidden: torch.Tensor) -> tuple[list[int | None], list[torch.Tensor]]:
+    """After the pass (`hidden`: [C, D] of the packed chunks): each chunk's prompt columns and hidden
+    states written, a finished prompt's blocks kept. (per chunk: None, or the index of its last hidden
+    state in `finished`; finished: [1, D] each, for the head)."""
     out, finished, q0 = [], [], 0
     for (group, _), (state, start, stop) in zip(chunks, parts):
         mine = hidden[q0:q0 + stop - start]
@@ -104,10 +123,7 @@ def prefill_chunks(runner, chunks: list[tuple[SequenceGroup, int]]) -> list[torc
         if stop == group.num_prompt_tokens:
             finished.append(mine[-1:])
             state.keep(runner.prefix_cache)
-    if finished:
-        logprobs = runner.logprobs_of(finished[0] if len(finished) == 1 else torch.cat(finished))
-        out = [None if o is None else logprobs[o:o + 1] for o in out]
-    return out
+    return out, finished
 
 
 def prepare_prefill(runner, parts: list[tuple[PrefillState, int, int]]) -> PassMeta:

@@ -20,7 +20,7 @@ from ...host.request import PromptColumns, SequenceGroup
 from ...device.sampler import BatchSettings, to_device
 from .attention import Attention, PassMeta, SlabRows
 from .fixed_shape import FixedShapeSteps
-from .prefill import PrefillState, prefill_chunks
+from .prefill import PrefillState, begin_chunks, finish_chunks, prefill_chunks, prepare_prefill
 from .prompt_batch import PromptBatches
 from .tree import tree_pass
 from .weights import Linear, load_blocks, packing_works, release_packed
@@ -337,6 +337,46 @@ class LeanRunner:
             host = picked.cpu().numpy()  # the step's one transfer
             host = host[[i for order in orders for i in order]]
         return self._by_group(orders, logprobs), host
+
+    MERGE_MIN_ROWS = INT4_MAX_ROWS  # with 4-bit weights, a decode step of fewer rows reads those on its own
+
+    @torch.inference_mode()
+    def decode_with_prefill(self, groups: list[SequenceGroup], chunks: list[tuple[SequenceGroup, int]]
+                            ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]] | None:
+        """A decode step of every row and the next chunk of each prompt of `chunks`, in one pass of the
+        blocks and one of the head (one read of every weight instead of two): the decode rows and the
+        chunks packed in one row, each decode row attending over its slab as in a decode step, each chunk
+        over its own prompt. (`decode_groups`' rows per group, `prefill_chunks`' answers per chunk); None
+        where the two run apart: fixed-shape decode steps (CUDA graphs), or a step small enough to read
+        the 4-bit weights alone."""
+        cache = self.cache
+        held = [self.rows_of(g) for g in groups]
+        if self.static_decode or (self.int4 and sum(len(r) for r in held) <= self.MERGE_MIN_ROWS):
+            return None
+        if cache.num_rows != sum(len(r) for r in held):
+            raise RuntimeError("the KV cache is out of step with the running groups")
+        cache.make_room()
+        slabs = [slab for slab in cache.slabs.values() if slab.rows]
+        rows = [r for slab in slabs for r in slab.rows]
+        table = np.array([(r.group.sequences[r.seq_index].token_ids[-1], r.length) for r in rows], dtype=np.int64)
+        inputs = to_device(table, torch.int64, self.device)
+        decode = self.prepare_decode(slabs, inputs[:, 1])
+        parts, chunk_ids, segments = begin_chunks(self, chunks)
+        prompt = prepare_prefill(self, parts)
+        n = len(rows)
+        meta = PassMeta(torch.cat([inputs[:, 1], prompt.positions[0]])[None], prompt.masks, kv=prompt.kv,
+                        slabs=decode.slabs, split=n)
+        edit = segment_editor([(0, i, i + 1, r.group.edits) for i, r in enumerate(rows)] +
+                              [(0, n + start, n + stop, edits) for _, start, stop, edits in segments])
+        hidden = self.forward(torch.cat([inputs[:, 0], chunk_ids[0]])[None], meta, edit=edit)[0]
+        for r in rows:
+            r.length += 1
+        out, finished = finish_chunks(self, chunks, parts, hidden[n:])
+        logprobs = self.logprobs_of(torch.cat([hidden[:n], *finished]) if finished else hidden[:n])
+        out = [None if o is None else logprobs[n + o:n + o + 1] for o in out]
+        offsets = {slab.capacity: start for slab, start in zip(slabs, np.cumsum([0] + [len(s.rows) for s in slabs]))}
+        orders = [[int(offsets[row.slab]) + row.slot for row in mine] for mine in held]
+        return self._by_group(orders, logprobs[:n]), out
 
     def _decode_eager(self, slabs, rows, inputs: torch.Tensor) -> torch.Tensor:
         """The decode pass over each slab's view of the positions held so far (inputs: [rows, 2] token and
