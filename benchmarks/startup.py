@@ -143,7 +143,7 @@ def main() -> None:
                  ["--model", "gemma3-270m", "--dtype", "bfloat16"], "gemma3-270m"),
             ]
         # the cached cases read a cache filled beforehand, as by an earlier start
-        fill = ("from logprobe.engine import loader; loader.ensure_cached(str(loader.bundled_gguf_path()))" +
+        fill = ("from logprobe.engine.runners import loader; loader.ensure_cached(str(loader.bundled_gguf_path()))" +
                 ("" if opts.skip_gemma else
                  "; loader.ensure_packaged_cached(loader.packaged_model('gemma3-270m'))"))
         subprocess.run([sys.executable, "-c", fill], env=base_env, check=True)

@@ -47,7 +47,7 @@ except loader.ModelLoadError as exc:
     pytest.skip(f"Gemma 3 270M is not installed: {exc}", allow_module_level=True)
 
 # Launches `logprobe serve` with the lean runner refused, so the model runs on transformers' forward.
-_FORCE_TRANSFORMERS = ("import sys; from logprobe.engine import lean; "
+_FORCE_TRANSFORMERS = ("import sys; from logprobe.engine.runners import lean; "
                        "lean.supports = lambda model: False; "
                        "from logprobe.cli import main; sys.exit(main(sys.argv[1:]))")
 

@@ -97,7 +97,7 @@ def test_model_card_of_bundled_model(server):
 
 
 def metric(server, name: str) -> float:
-    text = httpx.get(f"{server}/metrics").text
+    text = httpx.get(f"{server}/metrics", timeout=600).text
     return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
 
 

@@ -19,7 +19,7 @@ import asyncio, json, sys
 import logprobe  # first, as every logprobe process does: it sets MKL's mode before torch loads
 import torch
 from logprobe.backend import GenerationRequest, SamplingParams
-from logprobe.engine import loader
+from logprobe.engine.runners import loader
 from logprobe.engine.engine import Engine
 
 dtype, quantization = sys.argv[1], sys.argv[2]

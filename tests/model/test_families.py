@@ -265,6 +265,10 @@ def test_chunked_prefill_across_the_window(kind, models, tokenizer, monkeypatch)
     real = engine.runner.prefill_chunks
     monkeypatch.setattr(engine.runner, "prefill_chunks",
                         lambda chunks: (budgets.extend(b for _, b in chunks), real(chunks))[1])
+    if engine.info.runner == "lean":  # chunks beside decoding rows run in their pass (decode_with_prefill)
+        merged = engine.runner.decode_with_prefill
+        monkeypatch.setattr(engine.runner, "decode_with_prefill",
+                            lambda groups, chunks: (budgets.extend(b for _, b in chunks), merged(groups, chunks))[1])
     short = make(engine, prompt(4), max_tokens=40, temperature=0, logprobs=1)
     long = make(engine, prompt(40), max_tokens=6, temperature=0, logprobs=2, echo=True)
 

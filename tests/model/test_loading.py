@@ -35,7 +35,7 @@ def test_a_directory_of_safetensors_shards(tiny_model, tokenizer, tmp_path):
 
 SCRIPT = textwrap.dedent("""
     import json, sys, threading, time
-    from logprobe.engine import loader
+    from logprobe.engine.runners import loader
     import torch, transformers  # imported before measuring the load itself
 
     def anon_kb():  # private memory: the weights' copies; not the file pages safetensors maps
