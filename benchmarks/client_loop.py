@@ -14,14 +14,9 @@ the server adds the same few milliseconds to both).
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import statistics
-import subprocess
-import sys
 
-HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+import alternating
 
 WORKER = r"""
 import asyncio, json, statistics, sys, time
@@ -74,26 +69,12 @@ print(json.dumps(out))
 """
 
 
-def one_round(src: str, dtype: str, contexts: str, calls: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": src}
-    done = subprocess.run([sys.executable, "-c", WORKER, dtype, contexts, str(calls)], env=env,
-                          capture_output=True, text=True, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--baseline", help="another version's src/ directory, measured in alternating rounds")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap = alternating.parser(__doc__)
     ap.add_argument("--contexts", default="100,500,2000")
     ap.add_argument("--calls", type=int, default=32)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args()
-    sides = [("this tree", HERE)] + ([("baseline", args.baseline)] if args.baseline else [])
-    results = {name: [] for name, _ in sides}
-    for _ in range(args.rounds):
-        for name, src in sides:
-            results[name].append(one_round(src, args.dtype, args.contexts, args.calls))
+    results = alternating.rounds(WORKER, args, args.contexts, args.calls)
     print(f"client loop: {args.calls} calls of max_tokens 1, logprobs 5 per context; bundled model, {args.dtype}, "
           f"{args.rounds} rounds alternating")
     print("| side | context | ms per call (median per round) | decode step ms | call / step | prefix cache "

@@ -14,14 +14,9 @@ tokens scored, over the wall time until the 16 streams end).
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import statistics
-import subprocess
-import sys
 
-HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+import alternating
 
 WORKER = r"""
 import asyncio, json, statistics, sys, time
@@ -95,23 +90,10 @@ engine.stop()
 """
 
 
-def one_round(src: str, dtype: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": src}
-    done = subprocess.run([sys.executable, "-c", WORKER, dtype], env=env, capture_output=True, text=True, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--baseline", help="another version's src/ directory, measured in alternating rounds")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap = alternating.parser(__doc__)
     args = ap.parse_args()
-    sides = [("this tree", HERE)] + ([("baseline", args.baseline)] if args.baseline else [])
-    results = {name: [] for name, _ in sides}
-    for _ in range(args.rounds):
-        for name, src in sides:
-            results[name].append(one_round(src, args.dtype))
+    results = alternating.rounds(WORKER, args)
     print(f"mixed load: 16 streams x 64 sampled tokens, 8 clients scoring ~500-token texts in a loop, bundled model, "
           f"{args.dtype}, {args.rounds} rounds alternating")
     print("| side | round | idle TTFT ms (median) | loaded TTFT ms (median / worst) | loaded / idle | total tokens/s |")

@@ -34,7 +34,7 @@ def main() -> None:
     ap.add_argument("--quantization", default="none", choices=["none", "int4"])
     args = ap.parse_args()
     source = loader.resolve_source(None)
-    model, tok = loader.load(source, dtype=args.dtype, quantization=None if args.quantization == "none" else "int4")
+    model, tok = loader.load(source, dtype=args.dtype, quantization=args.quantization)
     engine = Engine(model, tok, source.name, source.aliases, prefix_cache_mb=0)
     runner, scheduler = engine.runner, engine.scheduler
     merged = runner.decode_with_prefill

@@ -327,6 +327,7 @@ class Results:
     kv_bytes: list = field(default_factory=list)  # (time, bytes) sampled between bursts
     rss_mb: list = field(default_factory=list)  # (time, MB) after each burst
     rss_idle_mb: list = field(default_factory=list)  # (time, MB) after idle gaps in which the KV cache shrank
+    prefix_idle_mb: list = field(default_factory=list)  # the prefix cache's MB at each of those times (kept when idle)
     shrinks: int = 0  # idle gaps after which the KV cache was back at its first size, having grown
     kinds: set = field(default_factory=set)  # the kinds of request in the catalog
 
@@ -451,6 +452,7 @@ async def soak(base: str, catalog: list[Spec], refs: dict, rng: random.Random, s
                         grown = False
                         if pid is not None:
                             res.rss_idle_mb.append((time.monotonic() - t0, _rss_mb(pid)))
+                            res.prefix_idle_mb.append(await metric(client, "logprobe_prefix_cache_bytes") / 2**20)
             if pid is not None:
                 res.rss_mb.append((time.monotonic() - t0, _rss_mb(pid)))
             if report is not None and time.monotonic() >= next_report:
@@ -518,6 +520,9 @@ def summary(res: Results, health: dict, seconds: float) -> str:
         rss = [m for _, m in res.rss_idle_mb]
         lines.append(f"RSS when idle (the KV cache back at its first size): first {rss[0]:.0f} MB, "
                      f"max {max(rss):.0f} MB, last {rss[-1]:.0f} MB ({len(rss)} samples)")
+        if res.prefix_idle_mb:
+            lines.append(f"the prefix cache then: first {res.prefix_idle_mb[0]:.0f} MB, max {max(res.prefix_idle_mb):.0f} "
+                         f"MB, last {res.prefix_idle_mb[-1]:.0f} MB")
     lines.append(f"afterwards: /health {health['status']}, running {health['requests_running']}, queued "
                  f"{health['requests_queued']}, held {health['tokens_held']}, in flight {health['in_flight']}, "
                  f"engine failures {health.get('engine_failures')}")

@@ -18,6 +18,7 @@ from test_load_and_faults import server_log, start_server  # noqa: E402 (same fo
 
 pytestmark = pytest.mark.e2e
 FIRST_LEN = 32
+PREFIX_MB = 64  # every request fills the prefix cache: small enough that the soak evicts from it
 
 
 def load_soak():
@@ -31,7 +32,8 @@ def load_soak():
 
 def test_soak_mix_with_idle_gaps():
     soak = load_soak()
-    proc, base = start_server("--max-model-len", "1024", "--kv-cache-positions", str(FIRST_LEN))
+    proc, base = start_server("--max-model-len", "1024", "--kv-cache-positions", str(FIRST_LEN),
+                              "--prefix-cache-mb", str(PREFIX_MB))
     try:
         res, health = soak.run_soak(base, seed=1, seconds=40, first_len=FIRST_LEN, max_requests=600, pid=proc.pid)
         print("\n" + soak.summary(res, health, 40))
@@ -44,12 +46,16 @@ def test_soak_mix_with_idle_gaps():
     assert set(res.statuses) <= {0, 200}, res.statuses  # 0: a client that left on purpose
     assert res.served >= 30 and res.left >= 1
     assert res.shrinks >= 2, "the KV cache did not grow and shrink back at least twice"
-    idle = [mb for _, mb in res.rss_idle_mb]
-    assert idle[-1] <= idle[0] * 1.10 + 64, idle  # memory returns when idle
+    # memory returns when idle, but for what the prefix cache keeps (kept when idle, within its bound)
+    assert all(mb <= PREFIX_MB for mb in res.prefix_idle_mb), res.prefix_idle_mb
+    idle = [mb - cached for (_, mb), cached in zip(res.rss_idle_mb, res.prefix_idle_mb)]
+    assert idle[-1] <= idle[0] * 1.10 + 64, idle
     assert set(res.latency) == res.kinds and len(res.kinds) >= 27  # every kind of the catalog ran
-    # the shared contexts went through the prefix cache (it holds them still: it is kept when idle)
+    # every kind of request went through the prefix cache (it holds some still: it is kept when idle)
     cached = re.search(r"^logprobe_prefix_cache_bytes (\S+)$", metrics, re.M)
-    assert cached and float(cached.group(1)) > 0
+    assert cached and 0 < float(cached.group(1)) <= PREFIX_MB * 2**20
+    hits = re.search(r"^logprobe_prefix_cache_hits (\S+)$", metrics, re.M)
+    assert hits and float(hits.group(1)) > 0
     assert health["status"] == "ready"
     assert (health["requests_running"], health["requests_queued"], health["tokens_held"], health["in_flight"]) == \
         (0, 0, 0, 0)

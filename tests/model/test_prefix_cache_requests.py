@@ -15,27 +15,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from logprobe.engine.engine import Engine
 from logprobe.engine.runners.prefix_cache import BLOCK, PrefixCache
 from logprobe.engine.host.request import SamplingParams, SequenceGroup
-from test_families import build
-from test_prefix_cache import check_reference, same_columns
+from test_prefix_cache import check_reference, engines, same_columns  # noqa: F401 (engines: a fixture)
 
 TOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def engines(tokenizer):
-    made = {}
-
-    def of(kind):
-        if kind not in made:
-            model = build(kind, len(tokenizer))
-            made[kind] = (model, Engine(model, tokenizer, f"{kind}-cached", []),
-                          Engine(model, tokenizer, f"{kind}-uncached", [], prefix_cache_mb=0))
-        return made[kind]
-
-    return of
 
 
 def prompt(length: int, salt: int = 0) -> list[int]:
