@@ -264,3 +264,41 @@ def test_stats_report_the_counts(engines):
     assert after["prefix_cache_hits"] == before["prefix_cache_hits"] + 1
     assert after["prefix_cache_tokens_saved"] == before["prefix_cache_tokens_saved"] + 40
     assert after["prefix_cache_bytes"] == cached.runner.prefix_cache.nbytes > 0
+
+
+def test_a_token_tree_finds_and_fills_the_cache(engines, reference_of, monkeypatch):
+    """A token tree's prompt starts after its longest kept prefix and leaves its own blocks: the same
+    tree twice (the second runs its prompt's last token only, then its levels), and a generation after
+    it; every node's log probability as without the cache and as the reference's at its path."""
+    from logprobe.backend import TreeShape
+    from logprobe.engine.host.tree import TreeGroup
+
+    model, cached, uncached = engines("gemma3")
+    reference = reference_of(model)
+    cached.runner.prefix_cache.clear()
+    passes = counting(cached, monkeypatch)
+    ids = prompt(35, salt=12)
+
+    def tree(engine):
+        group = TreeGroup("tree", list(ids), SamplingParams(max_tokens=2, temperature=1.0), engine.table,
+                          TreeShape(depth=2, branches=3))
+        drive(engine, [group])
+        return group
+
+    first = tree(cached)
+    passes.clear()
+    again, plain = tree(cached), tree(uncached)
+    assert passes[0] == len(ids) - 32  # the prompt after its two kept blocks
+    want = plain.output().tree
+    for group in (first, again):
+        t = group.output().tree
+        assert list(t.token_ids) == list(want.token_ids) and list(t.parents) == list(want.parents)
+        assert np.abs(np.asarray(t.logprobs) - np.asarray(want.logprobs)).max() < TOL
+    t = again.output().tree
+    for parent, token, logprob in zip(t.parents, t.token_ids, t.logprobs):
+        path = ids + (again.path(int(parent)) if parent >= 0 else [])
+        assert abs(logprob - reference.logprobs(path).numpy()[-1][token]) < TOL
+    passes.clear()
+    gen = run(cached, ids + [5, 6], max_tokens=2, temperature=0)
+    assert passes[0] == 5  # the tree's kept blocks, then its own 5 tokens
+    against_reference(reference, ids + [5, 6], gen)

@@ -1,7 +1,8 @@
 """A token tree's passes on the lean runner (engine/host/tree.py): the prompt once, then each level of the tree
 as one pass over its nodes, like the tree verification of speculative decoding.
 
-The tree's keys and values live in one buffer per layer, `TreeKV` ([KV, P + inner nodes, d]): the
+The prompt starts after its longest prefix the prefix cache keeps (prefix_cache.py), and leaves its
+whole blocks there. The tree's keys and values live in one buffer per layer, `TreeKV` ([KV, P + inner nodes, d]): the
 prompt's positions, then each expanded node's, in the order the passes ran them. A level's pass writes
 its nodes' keys and values after the ones held (attention.ChunkKV, as a prompt chunk does) and attends
 over the buffer with a tree mask: each node sees the prompt, its ancestors and itself, at its true
@@ -46,9 +47,21 @@ def tree_pass(runner, tree: TreeGroup) -> torch.Tensor:
     if record.tree is None:
         num_prompt = tree.num_prompt_tokens
         state = record.tree = TreeKV(runner, num_prompt, num_prompt + inner_nodes(tree.shape))
-        ids = torch.tensor([tree.prompt_ids], dtype=torch.long, device=runner.device)
-        hidden = runner.forward(ids, prepare_prefill(runner, [(state, 0, num_prompt)]))[0, -1:]
+        # the prompt after its longest kept prefix (prefix_cache.py), whose keys and values are copied in
+        cache = runner.prefix_cache
+        hit = cache.find(tree.prompt_ids) if cache.enabled else None
+        start = 0
+        if hit is not None:
+            start, keys, values, _ = hit.views()
+            for layer in range(len(runner.layers)):
+                state.keys[layer][:, :start] = keys[layer]
+                state.values[layer][:, :start] = values[layer]
+        ids = torch.tensor([tree.prompt_ids[start:]], dtype=torch.long, device=runner.device)
+        hidden = runner.forward(ids, prepare_prefill(runner, [(state, start, num_prompt)]))[0, -1:]
         state.length = num_prompt
+        if not cache.covers(tree.prompt_ids):  # the prompt's whole blocks, for what comes after it
+            cache.insert(tree.prompt_ids, [k[:, :num_prompt] for k in state.keys],
+                         [v[:, :num_prompt] for v in state.values], None)
         return runner.logprobs_of(hidden)
     state, frontier = record.tree, tree.frontier
     start, stop = state.length, state.length + len(frontier)
