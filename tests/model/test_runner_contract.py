@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from logprobe.engine import contract, core
+from logprobe.engine import core
 from logprobe.engine.runners import lean
 from logprobe.engine.contract import Runner
 from logprobe.engine.core import EngineCore
@@ -96,4 +96,3 @@ def test_groups_carry_no_runner_state(runners, tokenizer):
     runner.release(group)
     assert not runner.records and runner.cache.num_rows == 0
     assert "cache" not in vars(group) and "rows" not in vars(group)
-    assert contract.__doc__ and "records" in contract.__doc__

@@ -303,15 +303,27 @@ class LeanRunner:
         that array on the host, rows in the groups' order."""
         return self._decode(groups, k)
 
-    def _decode(self, groups: list[SequenceGroup], k: int | None) -> tuple[list[torch.Tensor], np.ndarray | None]:
+    def _decode_batch(self, held: list[list[Row]]) -> tuple[list, list[Row], np.ndarray]:
+        """A decode step's batch, once every row has room for one more position: (the slabs holding rows,
+        the rows slab by slab in slot order, each row's [last token, position])."""
         cache = self.cache
-        held = [self.rows_of(g) for g in groups]
         if cache.num_rows != sum(len(r) for r in held):
             raise RuntimeError("the KV cache is out of step with the running groups")
         cache.make_room()  # a row whose size class is full moves into the next one
         slabs = [slab for slab in cache.slabs.values() if slab.rows]
-        rows = [r for slab in slabs for r in slab.rows]  # the batch: slab by slab, slot order within each
+        rows = [r for slab in slabs for r in slab.rows]
         table = np.array([(r.group.sequences[r.seq_index].token_ids[-1], r.length) for r in rows], dtype=np.int64)
+        return slabs, rows, table
+
+    @staticmethod
+    def _orders(slabs, held: list[list[Row]]) -> list[list[int]]:
+        """Per group, its rows' places in the batch `_decode_batch` made, in the order of its rows."""
+        offsets = {slab.capacity: start for slab, start in zip(slabs, np.cumsum([0] + [len(s.rows) for s in slabs]))}
+        return [[int(offsets[row.slab]) + row.slot for row in mine] for mine in held]
+
+    def _decode(self, groups: list[SequenceGroup], k: int | None) -> tuple[list[torch.Tensor], np.ndarray | None]:
+        held = [self.rows_of(g) for g in groups]
+        slabs, rows, table = self._decode_batch(held)
         edited = any(g.edits is not None for g in groups)  # a request's interventions: the eager pass
         static = self.static_decode and len(slabs) == 1 and not edited
         picking = None  # (k, whether any row is drawn) when the step picks the tokens itself
@@ -330,8 +342,7 @@ class LeanRunner:
             logprobs = self._decode_eager(slabs, rows, inputs[:, :2])
         for r in rows:
             r.length += 1
-        offsets = {slab.capacity: start for slab, start in zip(slabs, np.cumsum([0] + [len(s.rows) for s in slabs]))}
-        orders = [[int(offsets[row.slab]) + row.slot for row in rows_of] for rows_of in held]
+        orders = self._orders(slabs, held)
         host = None
         if picked is not None:
             host = picked.cpu().numpy()  # the step's one transfer
@@ -349,16 +360,10 @@ class LeanRunner:
         over its own prompt. (`decode_groups`' rows per group, `prefill_chunks`' answers per chunk); None
         where the two run apart: fixed-shape decode steps (CUDA graphs), or a step small enough to read
         the 4-bit weights alone."""
-        cache = self.cache
         held = [self.rows_of(g) for g in groups]
         if self.static_decode or (self.int4 and sum(len(r) for r in held) <= self.MERGE_MIN_ROWS):
             return None
-        if cache.num_rows != sum(len(r) for r in held):
-            raise RuntimeError("the KV cache is out of step with the running groups")
-        cache.make_room()
-        slabs = [slab for slab in cache.slabs.values() if slab.rows]
-        rows = [r for slab in slabs for r in slab.rows]
-        table = np.array([(r.group.sequences[r.seq_index].token_ids[-1], r.length) for r in rows], dtype=np.int64)
+        slabs, rows, table = self._decode_batch(held)
         inputs = to_device(table, torch.int64, self.device)
         decode = self.prepare_decode(slabs, inputs[:, 1])
         parts, chunk_ids, segments = begin_chunks(self, chunks)
@@ -374,9 +379,7 @@ class LeanRunner:
         out, finished = finish_chunks(self, chunks, parts, hidden[n:])
         logprobs = self.logprobs_of(torch.cat([hidden[:n], *finished]) if finished else hidden[:n])
         out = [None if o is None else logprobs[n + o:n + o + 1] for o in out]
-        offsets = {slab.capacity: start for slab, start in zip(slabs, np.cumsum([0] + [len(s.rows) for s in slabs]))}
-        orders = [[int(offsets[row.slab]) + row.slot for row in mine] for mine in held]
-        return self._by_group(orders, logprobs[:n]), out
+        return self._by_group(self._orders(slabs, held), logprobs[:n]), out
 
     def _decode_eager(self, slabs, rows, inputs: torch.Tensor) -> torch.Tensor:
         """The decode pass over each slab's view of the positions held so far (inputs: [rows, 2] token and
