@@ -39,7 +39,7 @@ def serve(settings: Settings) -> int:
     exits at once."""
     import uvicorn
 
-    from .api.app import attach_backends, create_app
+    from .server import attach_backends, create_app
     from .engine.runners import loader
 
     configure_logging(settings.log_level)

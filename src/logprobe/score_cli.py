@@ -1,8 +1,9 @@
 """`logprobe score TEXT`: a text's per-token log probabilities as a table, JSON or a chart;
 `logprobe score --input FILE`: a dataset's, into a file (datasets/).
 
-In-process by default (loads the model, no server needed); `--url` asks a running server instead.
-Both go through the same /v1/score code, so the numbers are the API's.
+In-process by default (loads the model, no server needed): the request goes through the API's pipeline
+(api/pipeline.py), the same checks and code as /v1/score, so the numbers are the API's. `--url` asks a
+running server instead, through the one client of /v1/score (client/http.py).
 """
 
 from __future__ import annotations
@@ -16,9 +17,6 @@ import orjson
 
 
 def score_in_process(args) -> dict:
-    from .api import scoring
-    from .api.errors import APIError
-    from .config import Limits
     from .engine.runners import loader
     from .engine.engine import Engine
 
@@ -27,33 +25,37 @@ def score_in_process(args) -> dict:
     engine = Engine(model, tokenizer, source.name, source.aliases)
     engine.start()
     try:
-        body = request_body(args)
-        body["model"] = engine.info.name
-        limits = Limits()
-        try:
-            req = scoring.parse(body, limits)
-            items = scoring.tokenize(engine, req)
-            scoring.check_caps(engine, req, items, limits)
-        except APIError as exc:
-            raise SystemExit(f"logprobe score: {exc.message}") from None
-        requests = scoring.build_requests(engine, req, items, "cli")
-        outputs = asyncio.run(engine.run(requests))
-        payload, _ = scoring.format_response(engine, req, items, requests, outputs)
-        return payload
+        return answer_in_process(engine, {**request_body(args), "model": engine.info.name})
     finally:
         engine.stop()
 
 
-def score_remote(args) -> dict:
-    import httpx
+def answer_in_process(engine, body: dict) -> dict:
+    """The /v1/score answer for `body` from a started engine of this process, through the API's pipeline
+    (no hold: the CLI is the engine's only caller); a refusal exits with its message."""
+    from .api.errors import APIError
+    from .api.holding import Call
+    from .api.pipeline import Pipeline
+    from .api.routes import SCORE
+    from .config import Limits
 
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    body = request_body(args)
-    body["model"] = args.model or "smollm2-135m"
-    r = httpx.post(args.url[0].rstrip("/") + "/v1/score", json=body, headers=headers, timeout=600)
-    if r.status_code != 200:
-        raise SystemExit(f"logprobe score: the server answered {r.status_code}: {r.text[:300]}")
-    return r.json()
+    try:
+        return orjson.loads(asyncio.run(Pipeline(Limits(), backends=[engine]).answer(SCORE, body, Call("cli"))))
+    except APIError as exc:
+        raise SystemExit(f"logprobe score: {exc.message}") from None
+
+
+def score_remote(args) -> dict:
+    from .client.http import ScoreClient, ServerError, run_sync
+
+    async def ask():
+        async with ScoreClient(args.url[0], args.api_key, args.model, timeout=600.0) as client:
+            return await client.score(request_body(args))
+
+    try:
+        return run_sync(ask())
+    except ServerError as exc:
+        raise SystemExit(f"logprobe score: {exc.message}") from None
 
 
 def request_body(args) -> dict:

@@ -579,24 +579,21 @@ def test_a_queued_request_whose_client_left_leaves_the_queue_at_once():
 def test_a_cancelled_admission_leaves_no_hold(queued):
     """The handler cancelled while its request is being admitted (server shutdown), at once or while it
     waits in the queue: nothing stays held, queued or running, and the next request is admitted."""
-    from types import SimpleNamespace
-
-    from logprobe.api.holding import admit
+    from logprobe.api.holding import Call, admit
 
     app = create_app(FakeBackend(TinyTokenizer()), Limits(max_tokens_in_flight=100), AdmissionSettings())
     admission = app.state.admission
     requests = [GenerationRequest("req_1", [256, 104], SamplingParams(max_tokens=50))]
 
-    async def receive():
+    async def gone():
         await asyncio.sleep(30)
-        return {"type": "http.disconnect"}
 
     def handler_request():
-        return SimpleNamespace(app=app, state=SimpleNamespace(key_id="anonymous"), receive=receive)
+        return Call("req_1", "anonymous", gone=gone)
 
     async def main():
         blocker = await admission.acquire("anonymous", 60) if queued else None
-        task = asyncio.ensure_future(admit(handler_request(), requests))
+        task = asyncio.ensure_future(admit(admission, handler_request(), requests))
         for _ in range(1 if not queued else 3):
             await asyncio.sleep(0)
         assert admission.queue_depth == (1 if queued else 0)
@@ -606,7 +603,7 @@ def test_a_cancelled_admission_leaves_no_hold(queued):
         if blocker is not None:
             admission.release(blocker, used=0)
         assert (admission.held, admission.running, admission.queue_depth) == (0, 0, 0)
-        hold = await admit(handler_request(), requests)  # the next one gets in at once
+        hold = await admit(admission, handler_request(), requests)  # the next one gets in at once
         assert admission.running == 1
         admission.release(hold, used=0)
 

@@ -49,7 +49,7 @@ def ids_of(fake_backend, text):
 @pytest.mark.parametrize("value, words", [
     ("A", "Invalid type for 'logprob_token_ids': expected an array of token ids or null."),
     ([1, True], "Invalid type"), ([1.0], "Invalid type"), (["1"], "Invalid type"), ({"0": 1}, "Invalid type"),
-    ([49152], "token id 49152 is outside the vocabulary (0 to 49151)"), ([-1], "token id -1 is outside"),
+    ([49152], "token id 49152 is outside the vocabulary of 49152 tokens (ids 0 to 49151)"), ([-1], "token id -1 is outside"),
     (list(range(129)), "at most 128 (max_logprob_token_ids), and this request has 129"),
 ])
 def test_logprob_token_ids_refused(fake_client, fake_backend, path, value, words):

@@ -45,7 +45,7 @@ def refused(client, param, path, **body):
     ("logit_bias", {"5": "1"}, "from -100 to 100"),
     ("logit_bias", {"5": True}, "from -100 to 100"),
     ("logit_bias", {"5": 1, " 5": 2}, "more than once"),
-    ("logit_bias", {"49152": 1}, "outside the vocabulary (0 to 49151)"),
+    ("logit_bias", {"49152": 1}, "outside the vocabulary of 49152 tokens (ids 0 to 49151)"),
     ("logit_bias", {"-1": 1}, "outside the vocabulary"),
     ("allowed_token_ids", [], "at least one token id"),
     ("allowed_token_ids", [1, "2"], "Invalid type for 'allowed_token_ids'"),

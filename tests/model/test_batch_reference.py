@@ -12,7 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from batch_helpers import assert_same_answer, jsonl, lines_of, request_line, sdk, wait_for, without_ids
-from logprobe.api.app import attach_backends, create_app
+from logprobe.server import attach_backends, create_app
 from logprobe.config import BatchSettings, Limits
 from logprobe.engine.engine import Engine
 

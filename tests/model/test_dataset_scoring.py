@@ -308,7 +308,7 @@ def test_without_the_data_extra_says_what_to_install(monkeypatch, tmp_path):
 def test_remote_retries_and_refusals(monkeypatch):
     import httpx
 
-    from logprobe.datasets import remote
+    from logprobe.client import http
 
     waits, calls = [], []
 
@@ -316,7 +316,7 @@ def test_remote_retries_and_refusals(monkeypatch):
         waits.append(seconds)
 
     # the scorer's own waits between attempts only (asyncio.sleep itself serves httpx, anyio and the rest)
-    monkeypatch.setattr(remote.RemoteScorer, "_back_off", no_sleep)
+    monkeypatch.setattr(http.ScoreClient, "back_off", no_sleep)
     answers = [httpx.Response(429, headers={"Retry-After": "7"}, json={"error": {"message": "busy"}}),
                httpx.Response(503, json={"error": {"message": "draining"}}),
                httpx.Response(200, json={"data": [{"num_tokens": 1, "logprob": -1.5, "mean_logprob": -1.5,
@@ -326,7 +326,7 @@ def test_remote_retries_and_refusals(monkeypatch):
         calls.append(request)
         return answers.pop(0)
 
-    scorer = RemoteScorer(["http://a", "http://b"], transport=httpx.MockTransport(handler))
+    scorer = RemoteScorer(["http://a", "http://b"], model="tiny", transport=httpx.MockTransport(handler))
     table = scorer.score([Row(0, "x", "hello")])
     assert table.column("logprob").to_pylist() == [-1.5] and len(calls) == 3
     assert waits[0] >= 7 and {c.url.host for c in calls} == {"a", "b"}
@@ -335,5 +335,5 @@ def test_remote_retries_and_refusals(monkeypatch):
         return httpx.Response(401, json={"error": {"message": "Incorrect API key provided", "code": "invalid_api_key"}})
 
     with pytest.raises(DatasetError, match="refused: http://a/v1/score answered 401: Incorrect API key"):
-        RemoteScorer(["http://a"], transport=httpx.MockTransport(refuse)).score([Row(0, "x", "hello")])
+        RemoteScorer(["http://a"], model="tiny", transport=httpx.MockTransport(refuse)).score([Row(0, "x", "hello")])
     asyncio.run(asyncio.sleep(0))

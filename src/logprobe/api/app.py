@@ -18,13 +18,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import FileResponse, Response
 from starlette.staticfiles import StaticFiles
 
-from ..batch.runner import install as install_batches
-from ..batch.runner import start_runner, stop_runner
-from ..config import AdmissionSettings, BatchSettings, Limits
+from ..config import AdmissionSettings, Limits
 from .admission import Admission
 from .errors import APIError, InternalError, InvalidAPIKey, Unavailable, error_response, new_request_id
 from .metrics import Metrics
 from .holding import ClientGone
+from .pipeline import Pipeline
 from .routes import router
 from .schemas import add_request_bodies
 
@@ -177,19 +176,23 @@ def _request_id(request: Request) -> str:
 
 
 def create_app(backend, limits: Limits | None = None, admission: AdmissionSettings | None = None,
-               api_keys=(), admission_control=None, batch: BatchSettings | None = None) -> FastAPI:
+               api_keys=(), admission_control=None) -> FastAPI:
     """Build the ASGI app around a backend (backend.py: a started `Engine`, or replicas), or around None
     while the model loads (API paths answer 503 until `attach_backend`). `admission_control` replaces the
-    one-process hold (api/admission.py) with another of its interface (cluster/state.py). With `batch`,
-    the Batch API (batch/, docs/batch.md) and its runner."""
+    one-process hold (api/admission.py) with another of its interface (cluster/state.py). What is
+    installed on top of it (the Batch API: server.py) adds its start and stop to `app.state.services`."""
     @contextlib.asynccontextmanager
     async def lifespan(app):
         app.state.loop = asyncio.get_running_loop()  # for the SIGTERM drain, which runs in another thread
-        await start_runner(app)
+        started = []
         try:
+            for start, stop in list(app.state.services):
+                await start(app)
+                started.append(stop)
             yield
         finally:
-            await stop_runner(app)
+            for stop in reversed(started):
+                await stop(app)
 
     # /docs and /redoc with their scripts and styles served from the fastapi-offline package, not a CDN
     app = FastAPIOffline(title="logprobe", version="0.1.0", lifespan=lifespan,
@@ -215,11 +218,12 @@ def create_app(backend, limits: Limits | None = None, admission: AdmissionSettin
     app.state.metrics = Metrics()
     app.state.admission.on_queue_time = app.state.metrics.queue_seconds.observe
     app.state.metrics.watch(app.state.admission)
+    app.state.services = []  # (start(app), stop(app)) pairs the lifespan runs
+    app.state.pipeline = Pipeline(app.state.limits, app.state.admission,
+                                  lambda: app.state.settings.request_timeout or None)
     if backend is not None:
         attach_backend(app, backend)
     app.include_router(router)
-    if batch is not None:
-        install_batches(app, batch)
     web = Path(__file__).resolve().parent.parent / "web"
     app.mount("/static", StaticFiles(directory=web), name="static")
 
@@ -280,6 +284,7 @@ def attach_backends(app: FastAPI, backends: list) -> None:
             app.state.metrics.registry.register(extra)
     app.state.backends = list(backends)
     app.state.backend = backends[0]
+    app.state.pipeline.attach(backends)
 
 
 def attach_backend(app: FastAPI, backend) -> None:
@@ -287,7 +292,3 @@ def attach_backend(app: FastAPI, backend) -> None:
 
 
 attach_engine = attach_backend
-
-
-def json_response(payload, status: int = 200) -> Response:
-    return Response(orjson.dumps(payload), status_code=status, media_type="application/json")

@@ -9,6 +9,7 @@ from .errors import ContextLengthExceeded, InvalidRequest
 from .interventions import check_interventions
 from .schemas.constraints import compile_constraint
 from .schemas.sampling import ResidualRequest
+from .vocabulary import check_token_ids
 
 
 def check_text_length(backend, texts, param: str) -> None:
@@ -68,11 +69,7 @@ def check_request_caps(backend, prompts: list[list[int]], params: SamplingParams
                 f"{vectors}, over this server's cap of {limits.max_residual_vectors} (max_residual_vectors). "
                 "Ask for fewer layers, positions or choices.", "output_residual_stream")
     if params.logprob_token_ids:
-        vocab = backend.info.vocab_size
-        bad = [t for t in params.logprob_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequest(f"Invalid value for 'logprob_token_ids': token id {bad[0]} is outside the "
-                                 f"vocabulary (0 to {vocab - 1}).", "logprob_token_ids")
+        check_token_ids(params.logprob_token_ids, backend.info.vocab_size, "logprob_token_ids")
     if params.lens_layers:
         num_layers = backend.info.num_layers
         bad = [x for x in params.lens_layers if not -(num_layers + 1) <= x <= num_layers]

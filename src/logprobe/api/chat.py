@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -21,6 +21,7 @@ from ..output.instruments import chat_tops_with_token
 from ..output.logprobs import TokenNamer, chat_logprobs_content, wire_floats
 from .caps import check_request_caps, check_text_length
 from .errors import InvalidRequest
+from .interventions import checked_interventions
 from .output_blocks import (Parts, instrument_blocks, lens_of, prompt_logprobs_parts, residual_layers, residual_of,
     unmodified_of)
 from .schemas import ChatBody
@@ -70,24 +71,29 @@ def tokenize(backend, req: ChatRequest) -> list[int]:
     except Exception as exc:  # a template that raises on these messages (e.g. a role it forbids)
         raise InvalidRequest(f"The model's chat template could not render these messages: "
                              f"{str(exc)[:200]}", "messages") from None
-    ids = tok(text, add_special_tokens=False).input_ids
-    req.params = with_bad_words(backend, req.params, req.bad_words)
-    ctx = backend.info.context_length
-    if req.max_tokens is None:
-        req.params.max_tokens = max(0, ctx - len(ids))
-    return ids
+    return tok(text, add_special_tokens=False).input_ids
+
+
+def engine_params(backend, req: ChatRequest, ids: list[int]) -> SamplingParams:
+    """What the engine runs with, from the parsed request, the model and the prompt (a new record each
+    call): without a max_tokens, the rest of the context; the bad words' token ids, the model's stop
+    tokens, the residual layers as indices."""
+    max_tokens = req.params.max_tokens if req.max_tokens is not None else max(0, backend.info.context_length - len(ids))
+    return replace(with_bad_words(backend, req.params, req.bad_words), max_tokens=max_tokens,
+                   stop_token_ids=backend.info.stop_token_ids, residual_layers=residual_layers(backend, req.residual))
 
 
 def check_caps(backend, req: ChatRequest, ids: list[int], limits: Limits) -> None:
-    check_request_caps(backend, [ids], req.params, req.residual, limits, prompt_param="messages",
+    params = engine_params(backend, req, ids)
+    check_request_caps(backend, [ids], params, req.residual, limits, prompt_param="messages",
                        max_tokens_param=req.max_tokens_field if req.max_tokens is not None else "messages")
-    check_steering(backend, req.params)
+    check_steering(backend, params)
 
 
 def build_requests(backend, req: ChatRequest, ids: list[int], request_id: str) -> list[GenerationRequest]:
-    params = SamplingParams(**{**req.params.__dict__, "stop_token_ids": backend.info.stop_token_ids,
-                               "residual_layers": residual_layers(backend, req.residual)})
-    return [GenerationRequest(request_id, ids, params)]
+    params = engine_params(backend, req, ids)
+    return [GenerationRequest(request_id, ids, replace(params, interventions=checked_interventions(backend, [ids],
+                                                                                                    params)))]
 
 
 def _ends_with_stop_token(backend, ids, finish_reason) -> bool:

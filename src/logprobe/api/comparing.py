@@ -23,6 +23,7 @@ from ..tokens import TextAssembler
 from .caps import check_request_caps, check_text_length
 from .errors import APIError, InvalidRequest
 from .schemas import CompareBody
+from .vocabulary import check_token_ids
 
 INF_WIRE = 9999.0  # a divergence of 9999 nats or more, infinite included (as the API writes -inf: -9999.0)
 
@@ -116,10 +117,7 @@ def _tokenize(backend, req: CompareRequest) -> tuple[list[int], int]:
     if isinstance(req.input, str):
         ids = tok(req.input, add_special_tokens=req.add_special_tokens and not req.context).input_ids
     else:
-        bad = [t for t in req.input if t < 0 or t >= vocab]
-        if bad:
-            raise InvalidRequest(f"Invalid value for 'input': token id {bad[0]} is outside the vocabulary "
-                                 f"(0 to {vocab - 1}).", "input")
+        check_token_ids(req.input, vocab, "input")
         ids = list(req.input)
     if not ids:
         raise InvalidRequest("Invalid value for 'input': the input has no tokens.", "input")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -20,12 +20,14 @@ from ..output.instruments import asked_ids_top, join_legacy
 from ..output.logprobs import TokenNamer, legacy_logprobs, wire_floats
 from .caps import check_request_caps, check_text_length
 from .errors import InvalidRequest
+from .interventions import checked_interventions
 from .output_blocks import (Parts, instrument_blocks, lens_of, prompt_logprobs_parts, residual_layers, residual_of,
     unmodified_of)
 from .schemas import CompletionBody
 from .schemas.sampling import ResidualRequest
 from .steering import check_steering, with_bad_words
 from .streaming import sse
+from .vocabulary import check_token_ids
 
 
 @dataclass
@@ -72,11 +74,7 @@ def tokenize(backend, req: CompletionRequest) -> list[Prompt]:
     else:
         out = [Prompt(list(ids), None) for ids in req.prompts]
         for ids in req.prompts:
-            bad = [t for t in ids if t < 0 or t >= vocab]
-            if bad:
-                raise InvalidRequest(f"Invalid value for 'prompt': token id {bad[0]} is outside the "
-                                     f"vocabulary (0 to {vocab - 1}).", "prompt")
-    req.params = with_bad_words(backend, req.params, req.bad_words)
+            check_token_ids(ids, vocab, "prompt")
     for i, p in enumerate(out):
         if not p.token_ids:
             raise InvalidRequest(f"Invalid value for 'prompt': prompt {i} has no tokens (the model adds no "
@@ -86,9 +84,17 @@ def tokenize(backend, req: CompletionRequest) -> list[Prompt]:
     return out
 
 
+def engine_params(backend, req: CompletionRequest) -> SamplingParams:
+    """What the engine runs with, from the parsed request and the model (a new record each call): the
+    bad words' token ids, the model's stop tokens, the residual layers as indices."""
+    return replace(with_bad_words(backend, req.params, req.bad_words), stop_token_ids=backend.info.stop_token_ids,
+                   residual_layers=residual_layers(backend, req.residual))
+
+
 def check_caps(backend, req: CompletionRequest, prompts: list[Prompt], limits: Limits) -> None:
-    check_request_caps(backend, [p.token_ids for p in prompts], req.params, req.residual, limits)
-    check_steering(backend, req.params)
+    params = engine_params(backend, req)
+    check_request_caps(backend, [p.token_ids for p in prompts], params, req.residual, limits)
+    check_steering(backend, params)
 
 
 def echo_of(backend, prompt: Prompt, added_special: bool) -> tuple[str, list[int]]:
@@ -111,8 +117,8 @@ def echo_of(backend, prompt: Prompt, added_special: bool) -> tuple[str, list[int
 
 def build_requests(backend, req: CompletionRequest, prompts: list[Prompt], request_id: str) -> list[GenerationRequest]:
     """One GenerationRequest per prompt."""
-    params = SamplingParams(**{**req.params.__dict__, "stop_token_ids": backend.info.stop_token_ids,
-                               "residual_layers": residual_layers(backend, req.residual)})
+    params = engine_params(backend, req)
+    params = replace(params, interventions=checked_interventions(backend, [p.token_ids for p in prompts], params))
     return [GenerationRequest(request_id, p.token_ids, params, len(p.echo_text)) for p in prompts]
 
 

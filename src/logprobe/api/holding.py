@@ -1,13 +1,15 @@
 """Holding and running admitted requests: `admit` takes a request's hold (api/admission.py decides when
-it fits), `run_held_jobs` runs the requests while the client is connected and within the time-out,
+it fits), `run_held_jobs` runs the requests while the caller is there and within the time-out,
 `stream_held` streams them, and `release` gives the hold back and records the usage, however the
-request ends (finished, failed, timed out, client gone, cancelled by shutdown)."""
+request ends (finished, failed, timed out, caller gone, cancelled by shutdown). Each is given what it
+needs (the admission, the time-out, the `Call`): nothing is read from an HTTP request."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 
-from fastapi import Request
 from starlette.responses import StreamingResponse
 
 from ..backend import INTERACTIVE, BackendUnavailable, GenerationOutput, GenerationRequest
@@ -26,6 +28,25 @@ class ClientGone(Exception):
     def __init__(self, generated: int = 0):
         super().__init__()
         self.generated = generated
+
+
+async def never_gone() -> None:
+    """A caller that never leaves by itself (a batch line, a dataset job): cancelling its task stops it."""
+    await asyncio.Event().wait()
+
+
+@dataclass
+class Call:
+    """Who asks, as far as holding and running a request needs to know: the request id, the key whose
+    budget is charged, the priority (`interactive`, or `batch` for a batch line), `gone` (returns when
+    the caller has left: an HTTP client's disconnect), and `notes`, where the hold and the usage are
+    written for whoever logs the request (the HTTP gate's access log)."""
+
+    request_id: str
+    key_id: str = "anonymous"
+    priority: str = INTERACTIVE
+    gone: Callable[[], Awaitable[None]] = never_gone
+    notes: dict = field(default_factory=dict)
 
 
 def generated_so_far(jobs: list[tuple]) -> int:
@@ -52,7 +73,7 @@ async def run_jobs(jobs: list[tuple]) -> list[list[GenerationOutput]]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def run_jobs_while_connected(request: Request, jobs: list[tuple]) -> list[list[GenerationOutput]]:
+async def run_jobs_while_connected(call: Call, jobs: list[tuple], timeout: float | None) -> list[list[GenerationOutput]]:
     """Run each (backend, requests) job, on one or more backends at the same time; if the client
     disconnects first, abort them (the backend drops them before their next step) instead of finishing
     work nobody will read; the same, with 504, when they run past the request time-out. A backend that
@@ -60,8 +81,7 @@ async def run_jobs_while_connected(request: Request, jobs: list[tuple]) -> list[
     single = len(jobs) == 1  # one backend: its own run, without a wrapping task
     run = asyncio.ensure_future(jobs[0][0].run(jobs[0][1]) if single else run_jobs(jobs))
 
-    watcher = asyncio.ensure_future(disconnected(request))
-    timeout = request.app.state.settings.request_timeout or None
+    watcher = asyncio.ensure_future(call.gone())
     try:
         await asyncio.wait({run, watcher}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -82,22 +102,21 @@ async def run_jobs_while_connected(request: Request, jobs: list[tuple]) -> list[
         raise BackendLost(str(exc) or "The model replica serving this request went away; try again.") from None
 
 
-async def admit(request: Request, requests: list[GenerationRequest]):
+async def admit(admission, call: Call, requests: list[GenerationRequest]):
     """Hold the request's tokens (waiting in the queue if need be); see admission.py. A client that
     leaves while its request waits takes it out of the queue at once (ClientGone: logged 499), so it
-    blocks nobody behind it. A batch line's runner sets `request.state.priority = "batch"`: its hold
-    waits in the batch queue, and its requests carry the priority to the engine's scheduler."""
-    admission = request.app.state.admission
-    priority = getattr(request.state, "priority", INTERACTIVE)
+    blocks nobody behind it. A batch line's call has priority "batch": its hold waits in the batch
+    queue, and its requests carry the priority to the engine's scheduler."""
+    priority = call.priority
     for r in requests:
         r.priority = priority
     tokens = sum(r.held_tokens for r in requests)
-    acquiring = asyncio.ensure_future(admission.acquire(request.state.key_id, tokens, priority=priority))
+    acquiring = asyncio.ensure_future(admission.acquire(call.key_id, tokens, priority=priority))
     watcher = None
     try:
         await asyncio.sleep(0)  # acquire runs to its first wait: a request admitted at once is done here
         if not acquiring.done():
-            watcher = asyncio.ensure_future(disconnected(request))
+            watcher = asyncio.ensure_future(call.gone())
             await asyncio.wait({acquiring, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if not acquiring.done():
                 raise ClientGone()
@@ -113,24 +132,19 @@ async def admit(request: Request, requests: list[GenerationRequest]):
         if watcher is not None:
             watcher.cancel()
     hold = acquiring.result()
-    request.state.hold = hold
+    call.notes["hold"] = hold
     return hold
 
 
-async def disconnected(request: Request) -> None:
-    """Returns when the client has closed the connection (the body was read already)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-def release(request: Request, hold, requests: list[GenerationRequest], completion: int, lost: bool = False) -> None:
+def release(admission, call: Call, hold, requests: list[GenerationRequest], completion: int,
+            lost: bool = False) -> None:
     """The request is over (done, failed, timed out or abandoned): give back its hold, and record its
     usage for the access log and the metrics. The key's budget is charged the prompt tokens (x n) and
     the tokens generated, except for a request the backend lost (its replica died): only what it sent."""
     prompt = sum(r.num_prompt_tokens for r in requests)
-    request.state.usage = (prompt, completion)
+    call.notes["usage"] = (prompt, completion)
     used = completion if lost else sum(r.num_prompt_tokens * r.params.n for r in requests) + completion
-    request.app.state.admission.release(hold, used=used)
+    admission.release(hold, used=used)
 
 
 class HeldStream(StreamingResponse):
@@ -151,14 +165,14 @@ class HeldStream(StreamingResponse):
             self.on_close()
 
 
-async def run_held_jobs(request: Request, jobs: list[tuple]):
+async def run_held_jobs(admission, call: Call, jobs: list[tuple], timeout: float | None):
     """Hold the tokens of every (backend, requests) job at once (one hold: the capacity counts them
     all), run the jobs, give the hold back. Returns the hold and each job's outputs."""
     requests = [r for _, job_requests in jobs for r in job_requests]
-    hold = await admit(request, requests)
+    hold = await admit(admission, call, requests)
     results, lost, generated = None, False, 0
     try:
-        results = await run_jobs_while_connected(request, jobs)
+        results = await run_jobs_while_connected(call, jobs, timeout)
         generated = sum(o.num_generated for outputs in results for o in outputs)
     except BackendLost:
         lost = True
@@ -167,11 +181,12 @@ async def run_held_jobs(request: Request, jobs: list[tuple]):
         generated = getattr(exc, "generated", 0)
         raise
     finally:
-        release(request, hold, requests, generated, lost)
+        release(admission, call, hold, requests, generated, lost)
     return hold, results
 
 
-def stream_held(request: Request, backend, requests, hold, k: int, format_deltas, final_chunks) -> StreamingResponse:
+def stream_held(admission, call: Call, backend, requests, hold, k: int, format_deltas, final_chunks,
+                timeout: float | None) -> StreamingResponse:
     """The streamed answer of requests already admitted (`hold`): SSE chunks as the backend releases
     tokens; the hold is given back, and the usage recorded, when the stream ends however it ends."""
     usage = {"completion": 0, "lost": False}
@@ -180,8 +195,8 @@ def stream_held(request: Request, backend, requests, hold, k: int, format_deltas
         usage["completion"] = sum(end.num_generated) if end is not None else released
         usage["lost"] = lost
 
-    gen = stream_sse(backend, requests, k, request.state.request_id, format_deltas, final_chunks,
-                     timeout=request.app.state.settings.request_timeout or None, on_end=on_end)
-    return HeldStream(gen, lambda: release(request, hold, requests, usage["completion"], usage["lost"]),
+    gen = stream_sse(backend, requests, k, call.request_id, format_deltas, final_chunks, timeout=timeout,
+                     on_end=on_end)
+    return HeldStream(gen, lambda: release(admission, call, hold, requests, usage["completion"], usage["lost"]),
                       media_type="text/event-stream",
                       headers={"cache-control": "no-cache", "x-accel-buffering": "no", **hold.headers})

@@ -15,6 +15,7 @@ import numpy as np
 from ..backend import Intervention, SamplingParams
 from ..config import Limits
 from .errors import ContextLengthExceeded, InvalidRequest
+from .vocabulary import check_token_ids
 
 NAME = "interventions"
 OPS = ("add", "scale", "zero", "set", "patch")
@@ -118,10 +119,16 @@ def _source(value, name: str, out: Intervention) -> None:
 
 
 def check_interventions(backend, prompts: list[list[int]], params: SamplingParams, limits: Limits) -> None:
-    """Check each intervention against the model and the tokenized prompts, and make it what the engine
-    runs: layers as 0..num_layers, patch sources as token ids with their position and layer in range."""
+    """Check each intervention against the model and the tokenized prompts (400 naming the field)."""
+    checked_interventions(backend, prompts, params)
+
+
+def checked_interventions(backend, prompts: list[list[int]], params: SamplingParams) -> tuple:
+    """The interventions as the engine runs them (new records; `params` is left as it is): layers as
+    0..num_layers, patch sources as token ids with their position and layer in range. Raises as
+    `check_interventions` does."""
     if not params.interventions:
-        return
+        return params.interventions
     info = backend.info
     top, ctx = info.num_layers + 1, info.context_length
     shortest, longest = min(len(ids) for ids in prompts), max(len(ids) for ids in prompts)
@@ -163,7 +170,7 @@ def check_interventions(backend, prompts: list[list[int]], params: SamplingParam
                                          f"{name}.source.layer")
                 item.source_layer %= top
         checked.append(item)
-    params.interventions = tuple(checked)
+    return tuple(checked)
 
 
 def _source_ids(backend, item: Intervention, name: str) -> list[int]:
@@ -174,9 +181,5 @@ def _source_ids(backend, item: Intervention, name: str) -> list[int]:
         if not ids:
             raise InvalidRequest(f"Invalid value for '{name}': the text has no tokens.", name)
         return ids
-    vocab = backend.info.vocab_size
-    bad = [t for t in item.source_ids if not 0 <= t < vocab]
-    if bad:
-        raise InvalidRequest(f"Invalid value for '{name}': token id {bad[0]} is outside the vocabulary (0 to "
-                             f"{vocab - 1}).", name)
+    check_token_ids(item.source_ids, backend.info.vocab_size, name)
     return list(item.source_ids)

@@ -1,12 +1,13 @@
-"""The one pipeline of the POST routes that run a model: read the JSON body, parse it (the request
-model's checks), resolve the model, tokenize (off the event loop), check the caps, build the engine's
-requests, hold and run them (or stream them), and format the answer. Each route describes its steps
-as an `Endpoint`; `serve` runs any of them."""
+"""The one way in for every request that runs a model: HTTP routes, batch lines (batch/runner.py),
+dataset jobs (datasets/scorer.py) and `logprobe score TEXT` (score_cli.py) all go through a `Pipeline`.
+It is given what it needs (the models, the limits, the admission and the time-out), never reads an HTTP
+request for them, and runs each route's steps in order: parse (the request model's checks), resolve the
+model, tokenize (off the event loop), check the caps, then every check of `checks`, build the engine's
+requests, hold and run them (or stream them), and format the answer. Each route describes its steps as
+an `Endpoint`; a check that every route must pass goes in `CHECKS` (or a pipeline's `checks`)."""
 
 from __future__ import annotations
 
-import json
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -16,103 +17,12 @@ from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response, StreamingResponse
 
-from ..backend import GenerationRequest
+from ..backend import INTERACTIVE, GenerationRequest
 from ..config import Limits
-from .errors import InvalidRequest, ModelNotFound, RequestTooLarge
-from .holding import admit, run_held_jobs, stream_held
+from .errors import InvalidRequest, ModelNotFound, new_request_id
+from .holding import Call, admit, run_held_jobs, run_jobs, stream_held
+from .json_body import json_response, read_json
 from .output_blocks import iter_body
-
-# Every backslash escape of a JSON text, in order (so an escaped backslash is not read as an escape's start);
-# group 1: the four hex digits of a \uXXXX escape.
-ESCAPE = re.compile(rb"\\(?:u([0-9a-fA-F]{4})|.)")
-
-
-def json_response(payload, status: int = 200) -> Response:
-    return Response(orjson.dumps(payload), status_code=status, media_type="application/json")
-
-
-async def read_json(request: Request) -> dict:
-    """The body as a JSON object, read under the body-size cap."""
-    limit = request.app.state.limits.max_body_bytes
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise RequestTooLarge(f"The request body is {int(declared)} bytes, over this server's cap of "
-                              f"{limit} bytes (max_body_bytes).")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise RequestTooLarge(f"The request body is over this server's cap of {limit} bytes "
-                                  "(max_body_bytes).")
-        chunks.append(chunk)
-    raw = b"".join(chunks)
-    depth_cap = request.app.state.limits.max_json_depth
-    too_deep = InvalidRequest(f"The JSON body nests deeper than this server's cap of {depth_cap} levels "
-                              "(max_json_depth).")
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        if "depth" in str(exc) or "recursion" in str(exc):
-            raise too_deep from None
-        lone = lone_surrogate_at(raw)
-        if lone is not None:
-            raise lone_surrogate(raw, lone) from None
-        raise InvalidRequest("We could not parse the JSON body of your request: it is not valid JSON. "
-                             "Send a JSON object with Content-Type: application/json.") from None
-    if not isinstance(body, dict):
-        raise InvalidRequest("The request body must be a JSON object.")
-    if raw.count(b"[") + raw.count(b"{") > depth_cap and _deeper_than(body, depth_cap):
-        raise too_deep
-    return body
-
-
-def _deeper_than(obj, cap: int) -> bool:
-    """Whether containers nest more than `cap` levels (the top object is level 1). Lists of scalars
-    (token ids) are checked by type in C, not walked element by element in Python."""
-    stack = [(obj, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if depth > cap:
-            return True
-        items = node.values() if type(node) is dict else node
-        kinds = set(map(type, items))
-        if dict in kinds or list in kinds:
-            stack.extend((x, depth + 1) for x in items if type(x) is dict or type(x) is list)
-    return False
-
-
-def lone_surrogate_at(raw: bytes) -> int | None:
-    """Where the first escape of half a UTF-16 surrogate pair is, when that is all that keeps `raw` from
-    being JSON orjson reads (the standard library's parser accepts such escapes); None otherwise. Found
-    by scanning the escapes, not from orjson's message, which differs between its versions."""
-    try:
-        json.loads(raw)
-    except (ValueError, RecursionError):
-        return None
-    high_at, high_end = None, -1
-    for match in ESCAPE.finditer(raw):
-        code = int(match.group(1), 16) if match.group(1) else None
-        if high_at is not None and not (code is not None and 0xDC00 <= code <= 0xDFFF and match.start() == high_end):
-            return high_at  # a high half not followed at once by a low one
-        if high_at is not None:
-            high_at = None  # the pair is whole
-        elif code is not None and 0xD800 <= code <= 0xDBFF:
-            high_at, high_end = match.start(), match.end()
-        elif code is not None and 0xDC00 <= code <= 0xDFFF:
-            return match.start()  # a low half with no high one before it
-    return high_at
-
-
-def lone_surrogate(raw: bytes, pos: int) -> InvalidRequest:
-    """JSON allows a string escape of half a UTF-16 surrogate pair (`"\\ud800"`), but it is no Unicode
-    character: no tokenizer can read it, so it is refused, saying where it is."""
-    escape = raw[pos:pos + 6].decode("ascii")
-    line = raw.count(b"\n", 0, pos) + 1
-    column = len(raw[raw.rfind(b"\n", 0, pos) + 1:pos].decode("utf-8", "replace")) + 1
-    return InvalidRequest(
-        f"We could not parse the JSON body of your request: it contains a lone UTF-16 surrogate ({escape}) at "
-        f"line {line}, column {column}, which is not a Unicode character; a surrogate escape must be a high "
-        "one (\\ud800-\\udbff) followed by a low one (\\udc00-\\udfff). Send the text as valid Unicode.")
 
 
 @dataclass(frozen=True)
@@ -147,71 +57,181 @@ def asks_whole_vocab(req) -> bool:
     return req.params.prompt_logprobs == -1
 
 
-def resolve_model(request: Request, name: str | None, required: bool = True):
-    """The backend serving `name` (full name or alias); 404 for any other name. Where `model` is optional
-    (the tokenizer paths), none means the first model."""
-    if name is None and not required:
-        return request.app.state.backend
-    for backend in request.app.state.backends:
-        if name == backend.info.name or name in backend.info.aliases:
-            return backend
-    raise ModelNotFound(name)
+# Checks every endpoint's requests pass after its own caps, wherever they come from (HTTP, a batch line,
+# a dataset job, the score CLI): check(endpoint, target, req, prepared, limits), raising an APIError.
+CHECKS: list[Callable] = []
+
+
+@dataclass
+class Checked:
+    """A request that passed every check, with the engine's requests built: what `run` takes."""
+
+    endpoint: Endpoint
+    req: Any
+    target: Any
+    prepared: Any
+    requests: list[GenerationRequest]
+
+
+@dataclass
+class Answer:
+    """A request run and formatted: the payload (with `parts` to splice in), the engine's outputs, and
+    the hold it ran under (None without admission)."""
+
+    payload: dict
+    parts: Any
+    outputs: list
+    hold: Any = None
+
+
+class Pipeline:
+    """The steps of every request that runs a model, with its dependencies given: `limits`, `admission`
+    (api/admission.py or its cluster twin; None: no hold, for a process that serves only its caller),
+    `request_timeout` (a function: the setting is read at each request), and the served models
+    (`attach`; the first is the default where `model` is optional)."""
+
+    def __init__(self, limits: Limits, admission=None, request_timeout: Callable[[], float | None] = lambda: None,
+                 backends=(), checks: list[Callable] | None = None):
+        self.limits = limits
+        self.admission = admission
+        self.request_timeout = request_timeout
+        self.checks = CHECKS if checks is None else checks
+        self.backends: list = []
+        self.attach(backends)
+
+    def attach(self, backends) -> None:
+        self.backends = list(backends)
+
+    @property
+    def backend(self):
+        return self.backends[0] if self.backends else None
+
+    def resolve_model(self, name: str | None, required: bool = True):
+        """The backend serving `name` (full name or alias); 404 for any other name. Where `model` is
+        optional (the tokenizer paths), none means the first model."""
+        if name is None and not required:
+            return self.backend
+        for backend in self.backends:
+            if name == backend.info.name or name in backend.info.aliases:
+                return backend
+        raise ModelNotFound(name)
+
+    # ---- the checks ------------------------------------------------------------------------------
+    def parse(self, endpoint: Endpoint, body: dict):
+        """(req, target): the body's fields checked, and the model(s) it names."""
+        req = endpoint.parse(body, self.limits)
+        return req, endpoint.resolve(req, self.resolve_model)
+
+    def build(self, endpoint: Endpoint, req, target, prepared, request_id: str) -> Checked:
+        """The caps and every check of `checks`, then the engine's requests."""
+        endpoint.check_caps(target, req, prepared, self.limits)
+        for check in self.checks:
+            check(endpoint, target, req, prepared, self.limits)
+        return Checked(endpoint, req, target, prepared, endpoint.build_requests(target, req, prepared, request_id))
+
+    def check(self, endpoint: Endpoint, body: dict, request_id: str) -> Checked:
+        """Every check of a JSON body, in the caller's thread (a dataset job's rows)."""
+        req, target = self.parse(endpoint, body)
+        return self.build(endpoint, req, target, endpoint.tokenize(target, req), request_id)
+
+    async def prepare(self, endpoint: Endpoint, body: dict, request_id: str) -> Checked:
+        """Every check of a JSON body, tokenizing off the event loop (long texts)."""
+        req, target = self.parse(endpoint, body)
+        prepared = await run_in_threadpool(endpoint.tokenize, target, req)
+        return self.build(endpoint, req, target, prepared, request_id)
+
+    # ---- running ---------------------------------------------------------------------------------
+    async def run(self, checked: Checked, call: Call) -> Answer:
+        """Hold, run and format a checked, non-streamed request."""
+        (answer,) = await self.run_together([checked], call)
+        return answer
+
+    async def run_together(self, many: list[Checked], call: Call) -> list[Answer]:
+        """Several checked requests under one hold, each model's requests in one run of its backend (a
+        dataset job's chunk: the engine batches them as it would one request of many inputs)."""
+        jobs: dict[tuple, tuple] = {}  # (id(backend), the job's index in its request) -> (backend, requests)
+        spans = []  # per checked request: (job key, first, end) for each of its jobs
+        for checked in many:
+            mine = []
+            for index, (backend, requests) in enumerate(checked.endpoint.jobs(checked.target, checked.requests)):
+                key = (id(backend), index)
+                _, held = jobs.setdefault(key, (backend, []))
+                mine.append((key, len(held), len(held) + len(requests)))
+                held.extend(requests)
+            spans.append(mine)
+        order = list(jobs)
+        if self.admission is None:
+            hold, results = None, await run_jobs(list(jobs.values()))
+        else:
+            hold, results = await run_held_jobs(self.admission, call, list(jobs.values()), self.request_timeout())
+        by_backend = dict(zip(order, results))
+        answers = []
+        for checked, mine in zip(many, spans):
+            outputs = [o for key, first, end in mine for o in by_backend[key][first:end]]  # in the order of requests
+            answers.append(await self._format(checked, outputs, hold))
+        return answers
+
+    async def _format(self, checked: Checked, outputs: list, hold) -> Answer:
+        endpoint = checked.endpoint
+        args = (checked.target, checked.req, checked.prepared, checked.requests, outputs)
+        try:
+            if endpoint.format_off_loop:  # heavy formatting: in a worker thread
+                payload, parts = await run_in_threadpool(endpoint.format_response, *args)
+            else:
+                payload, parts = endpoint.format_response(*args)
+        except BaseException:
+            release_arrays(outputs)
+            raise
+        return Answer(payload, parts, outputs, hold)
+
+    async def answer(self, endpoint: Endpoint, body: dict, call: Call) -> bytes:
+        """The JSON body a POST route answers for `body`, for a caller without an HTTP connection (a batch
+        line, the score CLI): the same steps as `serve`; streaming is refused (param `stream`)."""
+        checked = await self.prepare(endpoint, body, call.request_id)
+        if endpoint.stream_formatters is not None and checked.req.stream:
+            raise InvalidRequest("Invalid value for 'stream': a batch line is answered whole; streaming is not "
+                                 "available in a batch. Remove 'stream' or set it to false.", "stream")
+        answer = await self.run(checked, call)
+        try:
+            if answer.parts:
+                return await run_in_threadpool(lambda: b"".join(iter_body(answer.payload, answer.parts)))
+            return orjson.dumps(answer.payload)
+        finally:
+            release_arrays(answer.outputs)
+
+    # ---- HTTP ------------------------------------------------------------------------------------
+    async def serve(self, request: Request, endpoint: Endpoint) -> Response:
+        """An HTTP POST route. Nothing is held or queued before every check has passed."""
+        call = http_call(request)
+        checked = await self.prepare(endpoint, await read_json(request, self.limits), call.request_id)
+        req = checked.req
+        if endpoint.stream_formatters is not None and req.stream:
+            format_deltas, final_chunks = endpoint.stream_formatters(checked.target, req, checked.prepared,
+                                                                     checked.requests)
+            hold = await admit(self.admission, call, checked.requests)
+            return stream_held(self.admission, call, checked.target, checked.requests, hold, req.params.logprobs or 0,
+                               format_deltas, final_chunks, self.request_timeout())
+        answer = await self.run(checked, call)
+        return with_headers(await body_response(answer.payload, answer.parts, endpoint.whole_vocab(req),
+                                                answer.outputs), answer.hold.headers)
+
+
+def http_call(request: Request) -> Call:
+    """An HTTP request as the pipeline's caller: the gate's request id and key, gone when the client
+    disconnects, and the hold and usage noted where the gate's access log reads them."""
+    state = request.scope.setdefault("state", {})
+
+    async def disconnected() -> None:  # the body was read already
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    return Call(state.get("request_id") or new_request_id(), state.get("key_id", "anonymous"),
+                state.get("priority", INTERACTIVE), disconnected, state)
 
 
 async def serve(request: Request, endpoint: Endpoint) -> Response:
-    """Run a POST route's steps. Nothing is held or queued before every check has passed."""
-    req, target, prepared, requests = await prepare(request, endpoint, await read_json(request))
-    if endpoint.stream_formatters is not None and req.stream:
-        format_deltas, final_chunks = endpoint.stream_formatters(target, req, prepared, requests)
-        hold = await admit(request, requests)
-        return stream_held(request, target, requests, hold, req.params.logprobs or 0, format_deltas, final_chunks)
-    hold, outputs, payload, parts = await run_and_format(request, endpoint, req, target, prepared, requests)
-    return with_headers(await body_response(payload, parts, endpoint.whole_vocab(req), outputs), hold.headers)
-
-
-async def prepare(request: Request, endpoint: Endpoint, body: dict):
-    """The checks and the engine's requests of a parsed JSON body: (req, target, prepared, requests)."""
-    limits = request.app.state.limits
-    req = endpoint.parse(body, limits)
-    target = endpoint.resolve(req, lambda name: resolve_model(request, name))
-    prepared = await run_in_threadpool(endpoint.tokenize, target, req)  # long texts: off the event loop
-    endpoint.check_caps(target, req, prepared, limits)
-    requests = endpoint.build_requests(target, req, prepared, request.state.request_id)
-    return req, target, prepared, requests
-
-
-async def run_and_format(request: Request, endpoint: Endpoint, req, target, prepared, requests):
-    """Hold, run and format a checked, non-streamed request: (hold, outputs, payload, parts)."""
-    hold, results = await run_held_jobs(request, endpoint.jobs(target, requests))
-    outputs = [output for job_outputs in results for output in job_outputs]  # in the order of `requests`
-    try:
-        if endpoint.format_off_loop:
-            payload, parts = await run_in_threadpool(endpoint.format_response, target, req, prepared, requests,
-                                                     outputs)
-        else:
-            payload, parts = endpoint.format_response(target, req, prepared, requests, outputs)
-    except BaseException:
-        release_arrays(outputs)
-        raise
-    return hold, outputs, payload, parts
-
-
-async def answer_bytes(request, endpoint: Endpoint, body: dict) -> bytes:
-    """The JSON body a POST route answers for `body`, for a caller without an HTTP connection of its own
-    (a batch line, batch/runner.py): `request` carries `app` and a `state` with the owner's `key_id`,
-    a `request_id` and a `priority`; its `receive` says `http.disconnect` when the caller gives up.
-    The same steps as `serve`; streaming is refused (param `stream`)."""
-    req, target, prepared, requests = await prepare(request, endpoint, body)
-    if endpoint.stream_formatters is not None and req.stream:
-        raise InvalidRequest("Invalid value for 'stream': a batch line is answered whole; streaming is not "
-                             "available in a batch. Remove 'stream' or set it to false.", "stream")
-    _, outputs, payload, parts = await run_and_format(request, endpoint, req, target, prepared, requests)
-    try:
-        if parts:
-            return await run_in_threadpool(lambda: b"".join(iter_body(payload, parts)))
-        return orjson.dumps(payload)
-    finally:
-        release_arrays(outputs)
+    """An HTTP POST route, through the app's pipeline."""
+    return await request.app.state.pipeline.serve(request, endpoint)
 
 
 def with_headers(response: Response, headers: dict) -> Response:

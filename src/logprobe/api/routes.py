@@ -11,9 +11,10 @@ from starlette.responses import Response
 
 from . import chat, comparing, scoring, tree
 from . import completions as cmpl
-from .errors import InvalidRequest
-from .pipeline import Endpoint, asks_whole_vocab, json_response, read_json, resolve_model, serve
+from .json_body import json_response, read_json
+from .pipeline import Endpoint, asks_whole_vocab, serve
 from .schemas import DetokenizeBody, TokenizeBody
+from .vocabulary import check_token_ids
 
 router = APIRouter()
 CREATED = int(time.time())
@@ -92,15 +93,16 @@ async def list_models(request: Request):
 @router.get("/v1/models/{model:path}")
 async def get_model(request: Request, model: str):
     """The model card: aliases, layers, sizes, tokens and the size caps in force."""
-    backend = resolve_model(request, model)
+    backend = request.app.state.pipeline.resolve_model(model)
     return json_response(model_card(backend, request.app.state.limits))
 
 
 @router.post("/tokenize")
 async def tokenize(request: Request):
     """Text -> token ids, with the model's special tokens unless `add_special_tokens` is false."""
-    req = TokenizeBody.parse(await read_json(request), request.app.state.limits)
-    backend = resolve_model(request, req.model, required=False)
+    limits = request.app.state.limits
+    req = TokenizeBody.parse(await read_json(request, limits), limits)
+    backend = request.app.state.pipeline.resolve_model(req.model, required=False)
     ids = await run_in_threadpool(
         lambda: backend.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens).input_ids)
     return json_response({"tokens": ids, "count": len(ids), "max_model_len": backend.info.context_length})
@@ -109,22 +111,18 @@ async def tokenize(request: Request):
 @router.post("/detokenize")
 async def detokenize(request: Request):
     """Token ids -> text."""
-    req = DetokenizeBody.parse(await read_json(request), request.app.state.limits)
-    backend = resolve_model(request, req.model, required=False)
-    tokens = req.tokens
-    vocab = backend.info.vocab_size
-    bad = [t for t in tokens if t < 0 or t >= vocab]
-    if bad:
-        raise InvalidRequest(f"Invalid value for 'tokens': token id {bad[0]} is outside the vocabulary "
-                             f"(0 to {vocab - 1}).", "tokens")
-    return json_response({"prompt": backend.tokenizer.decode(tokens)})
+    limits = request.app.state.limits
+    req = DetokenizeBody.parse(await read_json(request, limits), limits)
+    backend = request.app.state.pipeline.resolve_model(req.model, required=False)
+    check_token_ids(req.tokens, backend.info.vocab_size, "tokens")
+    return json_response({"prompt": backend.tokenizer.decode(req.tokens)})
 
 
 @router.get("/tokenizer_info")
 async def tokenizer_info(request: Request, model: str | None = None):
     """What evaluation harnesses probe: special tokens, vocabulary size, context length (of the model
     named by `?model=`, or the first one)."""
-    backend = resolve_model(request, model, required=False)
+    backend = request.app.state.pipeline.resolve_model(model, required=False)
     info, tok = backend.info, backend.tokenizer
     return json_response({
         "model": info.name, "tokenizer_class": type(tok).__name__, "vocab_size": info.vocab_size,

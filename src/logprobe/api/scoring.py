@@ -23,6 +23,7 @@ from .errors import InvalidRequest
 from .output_blocks import residual_layers, residual_of
 from .schemas import ScoreBody
 from .schemas.sampling import ResidualRequest
+from .vocabulary import check_token_ids
 
 @dataclass
 class ScoreRequest:
@@ -65,10 +66,7 @@ def tokenize(backend, req: ScoreRequest) -> list[ScoreItem]:
         if isinstance(inp, str):
             ids = tok(inp, add_special_tokens=False).input_ids
         else:
-            bad = [t for t in inp if t < 0 or t >= info.vocab_size]
-            if bad:
-                raise InvalidRequest(f"Invalid value for 'input': token id {bad[0]} is outside the vocabulary "
-                                     f"(0 to {info.vocab_size - 1}).", "input")
+            check_token_ids(inp, info.vocab_size, "input")
             ids = list(inp)
             if head == [start_id] and ids and ids[0] == start_id:
                 head = []  # the ids already start with it

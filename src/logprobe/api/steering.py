@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from ..backend import SamplingParams
 from .errors import InvalidRequest
+from .vocabulary import check_token_ids
 
 
 def bad_words_ids(tokenizer, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
@@ -30,12 +31,8 @@ def check_steering(backend, params: SamplingParams) -> None:
     """Token ids of `logit_bias` and `allowed_token_ids` inside the model's vocabulary, and at least one
     allowed token that no bad word of one token bans."""
     vocab = backend.info.vocab_size
-    for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
-                      ("allowed_token_ids", params.allowed_token_ids or ())):
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequest(f"Invalid value for '{name}': token id {bad[0]} is outside the vocabulary "
-                                 f"(0 to {vocab - 1}).", name)
+    check_token_ids([t for t, _ in params.logit_bias], vocab, "logit_bias")
+    check_token_ids(params.allowed_token_ids or (), vocab, "allowed_token_ids")
     if params.allowed_token_ids is not None and params.bad_words_ids:
         banned = {w[0] for w in params.bad_words_ids if len(w) == 1}
         if set(params.allowed_token_ids) <= banned:

@@ -24,6 +24,7 @@ from .caps import check_request_caps, check_text_length
 from .errors import InvalidRequest
 from .schemas.tree import TreeBody
 from .steering import check_steering, with_bad_words
+from .vocabulary import check_token_ids
 
 
 def parse(body: dict, limits: Limits) -> TreeBody:
@@ -51,10 +52,7 @@ def tokenize(backend, req: TreeBody) -> list[int]:
         if not ids:
             raise InvalidRequest("Invalid value for 'prompt': the text has no tokens.", "prompt")
         return ids
-    bad = [t for t in req.prompt if not 0 <= t < info.vocab_size]
-    if bad:
-        raise InvalidRequest(f"Invalid value for 'prompt': token id {bad[0]} is outside the vocabulary "
-                             f"(0 to {info.vocab_size - 1}).", "prompt")
+    check_token_ids(req.prompt, info.vocab_size, "prompt")
     return list(req.prompt)
 
 

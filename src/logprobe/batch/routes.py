@@ -12,7 +12,7 @@ from starlette.datastructures import UploadFile
 from starlette.responses import FileResponse
 
 from ..api.errors import InvalidRequest
-from ..api.pipeline import json_response, read_json, resolve_model
+from ..api.json_body import json_response, read_json
 from .files import BatchBody, WINDOW_S, batch_lines, batch_object, file_object, no_such, page, read_batch_file
 
 router = APIRouter()
@@ -126,14 +126,15 @@ async def delete_file(request: Request, file_id: str):
 async def create_batch(request: Request):
     """Run every line of an uploaded file through `endpoint`, in the capacity requests leave; the answers
     go to the batch's output file (errors to its error file) as lines finish."""
-    body = BatchBody.parse(await read_json(request), request.app.state.limits)
+    limits = request.app.state.limits
+    body = BatchBody.parse(await read_json(request, limits), limits)
     store, owner = store_of(request), owner_of(request)
     source = await run_in_threadpool(store.get_file, owner, body.input_file_id)
     if source is None or source["purpose"] != "batch":
         raise no_such("file", body.input_file_id, "input_file_id")
     data = await run_in_threadpool(store.path(source["id"]).read_bytes)
     model, lines = await run_in_threadpool(batch_lines, data, body.endpoint,
-                                           lambda name: resolve_model(request, name),
+                                           request.app.state.pipeline.resolve_model,
                                            request.app.state.batch_settings.max_batch_lines)
     row = await run_in_threadpool(store.add_batch, owner, body.endpoint, source["id"], model, body.metadata,
                                   lines, WINDOW_S)

@@ -1,5 +1,5 @@
 """The batch runner: a task on the server's event loop that leases lines of running batches from the
-store and answers each through the API's own pipeline (`api.pipeline.answer_bytes`: the same parse,
+store and answers each through the app's pipeline (`api.pipeline.Pipeline.answer`: the same parse,
 checks, hold and formatting as an HTTP request), as its key, at priority "batch" (admission and the
 scheduler serve interactive requests first; a batch hold waits for its key's budget, never 429).
 
@@ -18,12 +18,12 @@ import os
 import secrets
 import socket
 import time
-from types import SimpleNamespace
 
 import orjson
 
 from ..api.errors import APIError, InternalError, error_body, new_request_id
-from ..api.pipeline import answer_bytes
+from ..api.holding import Call
+from ..backend import BATCH
 from .store import ACTIVE, Line, Result, Store, new_id
 
 log = logging.getLogger("logprobe.batch")
@@ -54,18 +54,6 @@ def runner_is_dead(name: str) -> bool:
     return False
 
 
-class LineCall:
-    """What the pipeline reads of an HTTP request, for a batch line: the app, the owner's key, a request
-    id and the priority. It never disconnects; cancelling the line's task stops its work."""
-
-    def __init__(self, app, key_id: str):
-        self.app = app
-        self.state = SimpleNamespace(key_id=key_id, request_id=new_request_id(), priority="batch")
-
-    async def receive(self):
-        await asyncio.Event().wait()
-
-
 def output_line(custom_id: str, request_id: str, status: int, body: bytes) -> bytes:
     """`{id, custom_id, response: {status_code, request_id, body}, error}` (the body spliced in as encoded)."""
     return (b'{"id":' + orjson.dumps(new_id("batch_req_")) + b',"custom_id":' + orjson.dumps(custom_id)
@@ -88,7 +76,7 @@ class BatchRunner:
     def __init__(self, app, store: Store, batch_retention_s: float, in_flight: int = 128, lease_s: float = LEASE_S):
         from ..api.routes import CHAT, COMPARE, COMPLETIONS, SCORE
 
-        self.app = app
+        self.pipeline = app.state.pipeline
         self.store = store
         self.batch_retention_s = batch_retention_s
         self.in_flight = in_flight
@@ -129,7 +117,7 @@ class BatchRunner:
 
     @property
     def draining(self) -> bool:
-        return self.app.state.admission.draining
+        return self.pipeline.admission.draining
 
     async def _loop(self) -> None:
         while True:
@@ -147,7 +135,7 @@ class BatchRunner:
                 pass
 
     async def _tick(self) -> None:
-        if self.app.state.backend is None:
+        if self.pipeline.backend is None:
             return  # the model is still loading
         now = time.monotonic()
         if now - self._swept >= SWEEP_S:
@@ -201,7 +189,7 @@ class BatchRunner:
                 log.info("batch %s completed", batch_id)
 
     def _serves(self, name: str) -> bool:
-        return any(name == b.info.name or name in b.info.aliases for b in self.app.state.backends)
+        return any(name == b.info.name or name in b.info.aliases for b in self.pipeline.backends)
 
     async def _expire(self) -> None:
         """A batch past its window: its running lines stopped, the undone ones to the error file."""
@@ -223,9 +211,9 @@ class BatchRunner:
         body = orjson.loads(line.body)
         endpoint = self.endpoints[line.endpoint]
         while True:
-            call = LineCall(self.app, line.owner)
+            call = Call(new_request_id(), line.owner, BATCH)  # never gone: cancelling the task stops it
             try:
-                data, status = await answer_bytes(call, endpoint, body), 200
+                data, status = await self.pipeline.answer(endpoint, body, call), 200
             except APIError as exc:
                 if asyncio.current_task().cancelling():
                     # stopped (cancel, expiry, shutdown): the pipeline reports a stopped run as a time-out,
@@ -236,20 +224,20 @@ class BatchRunner:
                     return  # not answered: it runs after the restart
                 if exc.status in (429, 503):  # rate-limited, or its replica was lost: run it again
                     if exc.status == 503:
-                        log.info("batch line %s runs again: %s", call.state.request_id, exc.message)
+                        log.info("batch line %s runs again: %s", call.request_id, exc.message)
                     await asyncio.sleep(float(exc.headers.get("retry-after", RETRY_S)))
                     continue
-                data, status = error_body(exc.message, exc.type, exc.param, exc.code, call.state.request_id), exc.status
+                data, status = error_body(exc.message, exc.type, exc.param, exc.code, call.request_id), exc.status
             except (asyncio.CancelledError, KeyboardInterrupt):
                 raise
             except Exception:
                 if asyncio.current_task().cancelling():
                     raise asyncio.CancelledError from None
-                log.exception("batch line failed (%s)", call.state.request_id)
+                log.exception("batch line failed (%s)", call.request_id)
                 exc = InternalError("The server had an error while processing your request.")
-                data, status = error_body(exc.message, exc.type, None, exc.code, call.state.request_id), 500
+                data, status = error_body(exc.message, exc.type, None, exc.code, call.request_id), 500
             break
-        self.results.append(Result(line.batch_id, line.idx, output_line(line.custom_id, call.state.request_id, status,
+        self.results.append(Result(line.batch_id, line.idx, output_line(line.custom_id, call.request_id, status,
                                                                          data), status != 200))
         self._written.set()
 
@@ -288,6 +276,7 @@ def install(app, settings, clock=time.time) -> None:
     app.state.batch_settings = settings
     app.state.batch_runner = None
     app.state.make_batch_runner = lambda: BatchRunner(app, store, settings.batch_retention_days * 86400)
+    app.state.services.append((start_runner, stop_runner))
     app.include_router(router)
     app.state.metrics.registry.register(BatchMetrics(store))
 

@@ -4,7 +4,8 @@
 
 `dense_prompt_logprobs` turns the dense form of `prompt_logprobs: -1` into a [P, V] array;
 `whole_vocab_of_generated` runs the four steps of "Get the whole vocabulary for generated tokens";
-`score`, `residual_stream` and `compare` call /v1/score and /v1/compare and return numpy columns.
+`score`, `residual_stream` and `compare` call /v1/score and /v1/compare and return numpy columns;
+`ScoreClient` (client/http.py) is the asynchronous client of /v1/score that retries, for many requests.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 
 import httpx
 import numpy as np
+
+from .http import ScoreClient, run_sync
 
 _DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2")}
 
@@ -135,7 +138,7 @@ def score(base_url: str, model: str, text, context=None, add_bos: bool = True, t
         body["context"] = context
     if top_logprobs is not None:
         body["top_logprobs"] = top_logprobs
-    data = _request(base_url, "/v1/score", body, api_key, timeout)["data"]
+    data = score_once(base_url, body, api_key, timeout)["data"]
     return [Score(d["tokens"], np.asarray(d["token_ids"]),
                   np.array([np.nan if x is None else x for x in d["token_logprobs"]], dtype=np.float64),
                   np.array([0 if x is None else x for x in d["token_ranks"]], dtype=np.int64),
@@ -203,8 +206,17 @@ def residual_stream(base_url: str, model: str, text, layers: list[int], dtype: s
     """The residual stream of a text's tokens at the asked layers (via /v1/score): {layer: [T, D]}."""
     body = {"model": model, "input": text, "add_bos": add_bos,
             "output_residual_stream": {"layers": layers, "dtype": dtype, "encoding": "base64"}}
-    data = _request(base_url, "/v1/score", body, api_key, timeout)["data"][0]
+    data = score_once(base_url, body, api_key, timeout)["data"][0]
     return residual_arrays(data["residual_stream"])
+
+
+def score_once(base_url: str, body: dict, api_key: str | None = None, timeout: float = 600.0) -> dict:
+    """One /v1/score answer through `ScoreClient` (tried again on 429 and 5xx), from synchronous code."""
+    async def ask():
+        async with ScoreClient(base_url, api_key, timeout=timeout) as client:
+            return await client.score(body)
+
+    return run_sync(ask())
 
 
 def _request(base_url: str, path: str, body: dict, api_key: str | None, timeout: float) -> dict:

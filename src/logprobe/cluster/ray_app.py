@@ -202,7 +202,7 @@ class Ingress:
         await self.backend.refresh()
 
     def __serve_build_asgi_app__(self):
-        from ..api.app import attach_backend, create_app
+        from ..server import attach_backend, create_app
 
         s = self.settings
         admission = SharedAdmission(self.state, s.limits.max_tokens_in_flight, s.admission.tokens_per_minute,

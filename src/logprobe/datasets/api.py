@@ -40,10 +40,9 @@ def score(data, column: str | None = None, context=None, ids=None, model: str | 
 
         def on_chunk(chunk, chunk_records):
             records.update((p.row.index, r) for p, r in zip(chunk, chunk_records))
-            bar.update(len(chunk), sum(r.get("num_tokens") or 0 for r in chunk_records))
 
         try:
-            run_sync(score_chunks(scorer, chunks(prepared), on_chunk))
+            run_sync(score_chunks(scorer, chunks(prepared), on_chunk, on_rows=bar.update))
         finally:
             bar.close()
     finally:

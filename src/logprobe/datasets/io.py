@@ -33,6 +33,21 @@ class Row:
     context: str | None = None
 
 
+@dataclass
+class Prepared:
+    """A row as a scorer took it in: `item` to run (in process: the pipeline's checked /v1/score
+    request), or `error` (why it cannot be scored), or neither (an empty text, or a remote scorer,
+    whose server checks the row)."""
+
+    row: Row
+    item: object | None = None
+    error: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.item.prepared[0].token_ids) if self.item is not None else 0
+
+
 def require_data_extra():
     """pyarrow and tqdm come with the `data` extra; say how to get them when they are missing."""
     try:

@@ -17,10 +17,10 @@ import hashlib
 import json
 import os
 import shutil
-import threading
 import uuid
 from dataclasses import dataclass
 
+from ..client.http import run_sync
 from . import columns, progress as progress_mod
 from .io import DatasetError, format_of, read_rows, require_data_extra
 
@@ -34,29 +34,6 @@ class ReadOptions:
     column: str = "text"
     context_column: str | None = None
     id_column: str | None = None
-
-
-def run_sync(coro):
-    """Run a coroutine to the end from synchronous code, also where an event loop already runs
-    (Jupyter): then in a thread of its own."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    box = {}
-
-    def target():
-        try:
-            box["value"] = asyncio.run(coro)
-        except BaseException as exc:  # handed to the caller's thread
-            box["error"] = exc
-
-    thread = threading.Thread(target=target, name="logprobe-score")
-    thread.start()
-    thread.join()
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
 
 
 def chunks(prepared: list, max_rows: int = 256, max_tokens: int = 32_768) -> list[list]:
@@ -78,8 +55,9 @@ def chunks(prepared: list, max_rows: int = 256, max_tokens: int = 32_768) -> lis
     return out
 
 
-async def score_chunks(scorer, pieces: list[list], on_chunk, depth: int = IN_FLIGHT) -> None:
-    """Score chunks, `depth` at a time; `on_chunk(chunk, records)` as each finishes, in finishing order."""
+async def score_chunks(scorer, pieces: list[list], on_chunk, depth: int = IN_FLIGHT, on_rows=None) -> None:
+    """Score chunks, `depth` at a time; `on_chunk(chunk, records)` as each finishes, in finishing order;
+    `on_rows(rows, tokens)` as the scorer gets rows back (a remote scorer: each request's)."""
     queue = list(pieces)
     running: set[asyncio.Task] = set()
     owner: dict[asyncio.Task, list] = {}
@@ -87,7 +65,7 @@ async def score_chunks(scorer, pieces: list[list], on_chunk, depth: int = IN_FLI
         while queue or running:
             while queue and len(running) < depth:
                 chunk = queue.pop(0)
-                task = asyncio.ensure_future(scorer.run(chunk))
+                task = asyncio.ensure_future(scorer.run(chunk, on_rows))
                 running.add(task)
                 owner[task] = chunk
             done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
@@ -130,10 +108,9 @@ def run(input_path: str, output_path: str, scorer, options: columns.ScoreOptions
 
         def on_chunk(chunk, records):
             parts.write([p.row.index for p in chunk], columns.to_table(records, options))
-            bar.update(len(chunk), sum(r.get("num_tokens") or 0 for r in records))
 
         try:
-            run_sync(score_chunks(scorer, chunks(prepared, max_rows, max_tokens), on_chunk))
+            run_sync(score_chunks(scorer, chunks(prepared, max_rows, max_tokens), on_chunk, on_rows=bar.update))
         finally:
             bar.close()
         table = parts.merged(len(rows))

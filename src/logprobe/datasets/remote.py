@@ -1,24 +1,21 @@
 """Scoring rows on running servers: /v1/score over HTTP, several requests in flight.
 
 Rows go out in requests of `batch_rows`, spread over the servers in turn, at most `concurrency` at
-once. 429 and 503 (and a dropped connection) are retried with exponential backoff, waiting at least
-what Retry-After says; a refusal a retry cannot fix (400, 401, 403, 404, 413, 422) ends the job with
-the server's message. Token strings come from the server too (a one-token /v1/score per unseen id), so
-they are the ones the in-process path gives.
+once, through the one client of /v1/score (client/http.py: 429, 5xx and a dropped connection tried
+again, waiting at least what Retry-After says; a refusal a retry cannot fix ends the job with the
+server's message; a connection refused before any server answered ends it at once, naming the
+address). Each request's rows count as done when it comes back. Token strings come from the server
+too (a one-token /v1/score per unseen id), so they are the ones the in-process path gives.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
-import random
 
+from ..client.http import ScoreClient, ServerError
 from .columns import ScoreOptions, empty_record, error_record, summary, to_table
-from .io import DatasetError, Row
+from .io import DatasetError, Prepared, Row
 from .job import run_sync
-
-RETRIED = {429, 500, 502, 503, 504}
-REFUSED = {400, 401, 403, 404, 405, 413, 422}
 
 
 class RemoteRefused(DatasetError):
@@ -36,24 +33,23 @@ class RemoteScorer:
                  options: ScoreOptions = ScoreOptions(), batch_rows: int = 16, max_attempts: int = 8,
                  transport=None):
         """`batch_rows`: rows per request (at most the server's max_prompts); `max_attempts`: tries of
-        a request that meets 429/503/5xx or a dropped connection; `transport`: httpx's (tests)."""
+        a request that meets 429/503/5xx or a dropped connection; `model`: None for the server's first;
+        `transport`: httpx's (tests)."""
         if not urls:
             raise DatasetError("no server URL given")
-        self.urls = [u.rstrip("/") for u in urls]
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.model_name = model or "smollm2-135m"
+        self.urls = list(urls)
+        self.api_key = api_key
+        self.model_name = model
         self.concurrency = max(1, concurrency)
         self.options = options
         self.batch_rows = max(1, batch_rows)
         self.max_attempts = max_attempts
-        self._next_url = itertools.cycle(range(len(self.urls)))
         self._strings: dict[int, str] = {}
+        self._served = model  # the model the servers were asked for, once known
         self._transport = transport
 
     def prepare(self, rows: list[Row]) -> list:
         """Nothing is checked before scoring: the server checks each request."""
-        from .scorer import Prepared
-
         return [Prepared(row) for row in rows]
 
     def refuse_invalid(self, prepared: list) -> None:
@@ -66,33 +62,41 @@ class RemoteScorer:
         """A pyarrow Table of the rows' scores, in the order given."""
         return to_table(run_sync(self.run(self.prepare(rows))), self.options)
 
-    async def run(self, prepared: list) -> list[dict]:
-        """Records of prepared rows, in the given order."""
-        import httpx
-
+    async def run(self, prepared: list, on_rows=None) -> list[dict]:
+        """Records of prepared rows, in the given order; `on_rows(rows, tokens)` as each request's rows
+        come back."""
         rows = [p.row for p in prepared]
         todo = sorted((r for r in rows if r.text), key=lambda r: (r.context or "", len(r.text)))
         batches = [todo[i:i + self.batch_rows] for i in range(0, len(todo), self.batch_rows)]
         gate = asyncio.Semaphore(self.concurrency)
-        # No overall deadline: a long batch on a loaded server may take minutes; connecting may not
-        async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=60.0), headers=self.headers,
-                                     transport=self._transport) as client:
+        async with ScoreClient(self.urls, self.api_key, self._served, self.max_attempts,
+                               transport=self._transport) as client:
             async def one(batch):
                 async with gate:
-                    return await self._score_batch(client, batch)
+                    records = await self._score_batch(client, batch)
+                if on_rows is not None:
+                    on_rows(len(batch), sum(r.get("num_tokens") or 0 for r in records))
+                return records
 
-            results = await asyncio.gather(*(one(b) for b in batches))
-            records = {r.index: rec for batch, recs in zip(batches, results) for r, rec in zip(batch, recs)}
-            if self.options.top:
-                await self._name_tops(client, records.values())
-        for row in rows:
-            if not row.text:
-                records[row.index] = empty_record(row.id, self.options)
+            try:
+                results = await asyncio.gather(*(one(b) for b in batches))
+                records = {r.index: rec for batch, recs in zip(batches, results) for r, rec in zip(batch, recs)}
+                if self.options.top:
+                    await self._name_tops(client, records.values())
+            except ServerError as exc:
+                raise (RemoteRefused(exc.message, exc.code) if exc.status is not None
+                       else DatasetError(exc.message)) from None
+            self._served = client.model
+        empty = [row for row in rows if not row.text]
+        for row in empty:
+            records[row.index] = empty_record(row.id, self.options)
+        if empty and on_rows is not None:
+            on_rows(len(empty), 0)
         return [records[r.index] for r in rows]
 
     # ---- requests -----------------------------------------------------------------------------
     async def _score_batch(self, client, batch: list[Row]) -> list[dict]:
-        body = {"model": self.model_name, "input": [r.text for r in batch], "add_bos": self.options.add_bos,
+        body = {"input": [r.text for r in batch], "add_bos": self.options.add_bos,
                 "return_tokens_as_token_ids": bool(self.options.top)}
         if any(r.context for r in batch):
             body["context"] = [r.context or "" for r in batch]
@@ -101,8 +105,8 @@ class RemoteScorer:
         if self.options.stats:
             body["position_stats"] = True
         try:
-            data = (await self._post(client, "/v1/score", body))["data"]
-        except RemoteRefused as exc:
+            data = (await client.score(body))["data"]
+        except ServerError as exc:
             if not (self.options.skip_invalid and exc.code == "context_length_exceeded"):
                 raise
             if len(batch) == 1:
@@ -110,33 +114,6 @@ class RemoteScorer:
             # Find the rows at fault: each alone
             return [rec for r in batch for rec in await self._score_batch(client, [r])]
         return [self._record(r, entry) for r, entry in zip(batch, data)]
-
-    async def _post(self, client, path: str, body: dict) -> dict:
-        import httpx
-
-        for attempt in range(1, self.max_attempts + 1):
-            url = self.urls[next(self._next_url)] + path
-            wait = min(30.0, 0.5 * 2 ** attempt) * (0.5 + random.random() / 2)
-            try:
-                r = await client.post(url, json=body)
-            except httpx.TransportError as exc:
-                problem = f"{url}: {type(exc).__name__}: {exc}"
-            else:
-                if r.status_code == 200:
-                    return r.json()
-                message, code = _error_of(r)
-                problem = f"{url} answered {r.status_code}: {message}"
-                if r.status_code in REFUSED or r.status_code not in RETRIED:
-                    raise RemoteRefused(f"the server refused: {problem}", code)
-                wait = max(wait, _retry_after(r))
-            if attempt == self.max_attempts:
-                raise DatasetError(f"gave up after {attempt} attempts: {problem}")
-            await self._back_off(wait)
-        raise AssertionError("unreachable")
-
-    async def _back_off(self, seconds: float) -> None:
-        """The wait before a request's next attempt (tests record it instead)."""
-        await asyncio.sleep(seconds)
 
     async def _name_tops(self, client, records) -> None:
         """Token strings of the top ids: the server's own, asked once per id (a one-token score each)."""
@@ -146,8 +123,7 @@ class RemoteScorer:
         unseen = sorted(wanted - set(self._strings))
         for start in range(0, len(unseen), 128):
             ids = unseen[start:start + 128]
-            data = (await self._post(client, "/v1/score", {"model": self.model_name, "input": [[i] for i in ids],
-                                                            "add_bos": False}))["data"]
+            data = (await client.score({"input": [[i] for i in ids], "add_bos": False}))["data"]
             self._strings.update((i, entry["tokens"][0]) for i, entry in zip(ids, data))
         for record in records:
             record["top_tokens"] = [None if row is None else [self._strings[i] for i in row]
@@ -175,22 +151,6 @@ class RemoteScorer:
         if self.options.stats:
             record["entropy"] = entry["position_stats"]["entropy"]
         return record
-
-
-def _error_of(response) -> tuple[str, str | None]:
-    try:
-        error = response.json()["error"]
-        return str(error.get("message", error)), error.get("code")
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return response.text[:300], None
-
-
-def _retry_after(response) -> float:
-    try:
-        return min(300.0, max(0.0, float(response.headers.get("retry-after", "0"))))
-    except ValueError:
-        return 1.0
-
 
 
 def _top_of(alternatives: dict, k: int) -> list[tuple[int, float]]:

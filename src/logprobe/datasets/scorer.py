@@ -1,19 +1,17 @@
-"""Scoring rows in process: the /v1/score code (api/scoring.py) run straight on an engine.
+"""Scoring rows in process: each row a /v1/score request through the API's pipeline (api/pipeline.py)
+on an engine of this process, so a row passes the same checks as a request and its numbers are the API's.
 
-Each row is tokenized and checked against the context as /v1/score does, so a row's numbers are the
-API's. All rows of a call go to the engine at once, sorted so that rows with the same context sit
-together (the prefix cache keeps a shared context's keys and values) and lengths grow steadily; the
-engine batches prompt-only requests itself and stays full.
+All rows of a call go to the engine at once (`Pipeline.run_together`), sorted so that rows with the same
+context sit together (the prefix cache keeps a shared context's keys and values) and lengths grow
+steadily; the engine batches prompt-only requests itself and stays full.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from .columns import ScoreOptions, empty_record, error_record, summary, to_table
-from .io import DatasetError, Row
+from .io import DatasetError, Prepared, Row
 from .job import run_sync
 from .remote import RemoteScorer  # noqa: F401  (scorer.RemoteScorer is part of this module's interface)
 
@@ -27,29 +25,16 @@ __all__ = ["ScoreOptions", "InProcessScorer", "RemoteScorer", "Prepared"]
 PASS_ROWS = 1024
 
 
-@dataclass
-class Prepared:
-    """A row tokenized and checked: `item` (api/scoring.ScoreItem) to run, or `error` (why it cannot
-    be scored), or neither (an empty text: nothing to score)."""
-
-    row: Row
-    item: object | None = None
-    error: str | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.item.token_ids) if self.item is not None else 0
-
-
 class InProcessScorer:
     """Scores rows on an engine in this process (`logprobe.engine.engine.Engine`, started)."""
 
     def __init__(self, engine, options: ScoreOptions = ScoreOptions()):
+        from ..api.pipeline import Pipeline
         from ..config import Limits
 
         self.engine = engine
         self.options = options
-        self.limits = Limits()
+        self.pipeline = Pipeline(Limits(), backends=[engine])  # no admission: the job is the engine's only caller
         self.model_name = engine.info.name
         self._owns_engine = False
 
@@ -78,23 +63,22 @@ class InProcessScorer:
 
     # ---- the steps ----------------------------------------------------------------------------
     def prepare(self, rows: list[Row]) -> list[Prepared]:
-        """Tokenize and check every row as /v1/score would; a row that cannot be scored gets its reason."""
-        from ..api import scoring
+        """Check every row as /v1/score would (the pipeline's checks); a row that cannot be scored gets
+        its reason."""
         from ..api.errors import APIError
+        from ..api.routes import SCORE
 
         out = []
         for row in rows:
             if not row.text:
                 out.append(Prepared(row))
                 continue
-            req = self._request([row.text], [row.context])
             try:
-                items = scoring.tokenize(self.engine, req)
-                scoring.check_caps(self.engine, req, items, self.limits)
+                checked = self.pipeline.check(SCORE, self._body(row), "dataset")
             except APIError as exc:
                 out.append(Prepared(row, error=exc.message))
                 continue
-            out.append(Prepared(row, item=items[0]))
+            out.append(Prepared(row, item=checked))
         return out
 
     def refuse_invalid(self, prepared: list[Prepared]) -> None:
@@ -107,26 +91,25 @@ class InProcessScorer:
             raise DatasetError(f"row {first.row.index} (id {first.row.id!r}) cannot be scored: {first.error}{more} "
                                "(--skip-invalid scores the others and records why in an 'error' column)")
 
-    async def run(self, prepared: list[Prepared]) -> list[dict]:
-        """Records (see columns.py) of prepared rows, in the given order."""
-        from ..api import scoring
+    async def run(self, prepared: list[Prepared], on_rows=None) -> list[dict]:
+        """Records (see columns.py) of prepared rows, in the given order; `on_rows(rows, tokens)` once
+        they are back (one run of the engine)."""
+        from ..api.holding import Call
 
         todo = sorted((p for p in prepared if p.item is not None),
                       key=lambda p: (p.row.context or "", p.num_tokens))
         records: dict[int, dict] = {}
         if todo:
-            req = self._request([p.row.text for p in todo], [p.row.context for p in todo])
-            items = [p.item for p in todo]
-            requests = scoring.build_requests(self.engine, req, items, "dataset")
-            outputs = await self.engine.run(requests)
-            payload, _ = scoring.format_response(self.engine, req, items, requests, outputs)
-            for p, entry, out in zip(todo, payload["data"], outputs):
-                records[p.row.index] = self._record(p, entry, out.prompt_columns)
+            answers = await self.pipeline.run_together([p.item for p in todo], Call("dataset"))
+            for p, answer in zip(todo, answers):
+                records[p.row.index] = self._record(p, answer.payload["data"][0], answer.outputs[0].prompt_columns)
         for p in prepared:
             if p.error is not None:
                 records[p.row.index] = error_record(p.row.id, p.error)
             elif p.item is None:
                 records[p.row.index] = empty_record(p.row.id, self.options)
+        if on_rows is not None:
+            on_rows(len(prepared), sum(r.get("num_tokens") or 0 for r in records.values()))
         return [records[p.row.index] for p in prepared]
 
     def score(self, rows: list[Row]):
@@ -136,20 +119,25 @@ class InProcessScorer:
         return to_table(run_sync(self.run(prepared)), self.options)
 
     # ---- helpers ------------------------------------------------------------------------------
-    def _request(self, texts: list[str], contexts: list[str | None]):
-        from ..api.scoring import ScoreRequest
-
-        return ScoreRequest(self.model_name, texts, contexts, self.options.add_bos,
-                            self.options.top or None, False, None, position_stats=self.options.stats)
+    def _body(self, row: Row) -> dict:
+        """The /v1/score body of one row."""
+        body = {"model": self.model_name, "input": row.text, "add_bos": self.options.add_bos,
+                "position_stats": self.options.stats}
+        if row.context:
+            body["context"] = row.context
+        if self.options.top:
+            body["top_logprobs"] = self.options.top
+        return body
 
     def _record(self, p: Prepared, entry: dict, columns) -> dict:
         """One row's record from its /v1/score entry and, for top-k and entropy, the engine's columns."""
-        opts, first = self.options, p.item.first
+        opts, item = self.options, p.item.prepared[0]
+        first = item.first
         record = summary(p.row.id, entry["num_tokens"], entry["logprob"], entry["mean_logprob"], entry["perplexity"])
         if opts.tokens:
             record.update(tokens=entry["tokens"], token_ids=entry["token_ids"],
                           token_logprobs=entry["token_logprobs"], ranks=entry["token_ranks"])
-        scored = slice(first, len(p.item.token_ids))
+        scored = slice(first, len(item.token_ids))
         unpredicted = first == 0  # nothing predicts the first token: its entries are null
         if opts.top:
             top_ids = columns.top_ids[scored, :opts.top]
