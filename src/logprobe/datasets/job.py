@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import inspect
 import json
 import os
 import shutil
@@ -57,20 +58,38 @@ def chunks(prepared: list, max_rows: int = 256, max_tokens: int = 32_768) -> lis
 
 async def score_chunks(scorer, pieces: list[list], on_chunk, depth: int = IN_FLIGHT, on_rows=None) -> None:
     """Score chunks, `depth` at a time; `on_chunk(chunk, records)` as each finishes, in finishing order;
-    `on_rows(rows, tokens)` as the scorer gets rows back (a remote scorer: each request's)."""
+    `on_rows(rows, tokens)` as rows come back: as the scorer reports them where its `run` takes
+    `on_rows` (a remote scorer: each request's), and whatever it did not report when its chunk ends."""
     queue = list(pieces)
     running: set[asyncio.Task] = set()
     owner: dict[asyncio.Task, list] = {}
+    counted: dict[int, int] = {}  # id(chunk) -> rows reported so far
+    reports = on_rows is not None and "on_rows" in inspect.signature(scorer.run).parameters
+
+    def reporter(chunk):
+        def report(rows: int, tokens: int) -> None:
+            counted[id(chunk)] = counted.get(id(chunk), 0) + rows
+            on_rows(rows, tokens)
+        return report
+
     try:
         while queue or running:
             while queue and len(running) < depth:
                 chunk = queue.pop(0)
-                task = asyncio.ensure_future(scorer.run(chunk, on_rows))
+                run = scorer.run(chunk, on_rows=reporter(chunk)) if reports else scorer.run(chunk)
+                task = asyncio.ensure_future(run)
                 running.add(task)
                 owner[task] = chunk
             done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
-                on_chunk(owner.pop(task), task.result())
+                chunk = owner.pop(task)
+                records = task.result()
+                on_chunk(chunk, records)
+                if on_rows is not None and not reports:
+                    on_rows(len(chunk), sum(r.get("num_tokens") or 0 for r in records))
+                elif reports and len(chunk) > counted.get(id(chunk), 0):
+                    on_rows(len(chunk) - counted.get(id(chunk), 0), 0)
+                counted.pop(id(chunk), None)
     finally:
         for task in running:
             task.cancel()

@@ -1,0 +1,76 @@
+"""Every request that runs a model enters through one pipeline (api/pipeline.py): a check added to it
+refuses the same body over HTTP, as a batch line, as a dataset job's row and in `logprobe score TEXT`;
+and the one vocabulary check names the vocabulary's size (vLLM's message)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+import pytest
+from fastapi.testclient import TestClient
+
+from logprobe.api import pipeline
+from logprobe.api.app import create_app
+from logprobe.api.errors import InvalidRequest
+from logprobe.batch import runner as batch_runner
+from logprobe.batch.store import Line
+from logprobe.config import BatchSettings, Limits
+from logprobe.datasets.io import Row
+from logprobe.datasets.scorer import InProcessScorer
+from logprobe import score_cli
+
+MESSAGE = "Invalid value for 'input': this server scores no text with the word 'forbidden'."
+
+
+def no_forbidden_word(endpoint, target, req, prepared, limits) -> None:
+    if any(isinstance(text, str) and "forbidden" in text for text in getattr(req, "inputs", ())):
+        raise InvalidRequest(MESSAGE, "input")
+
+
+@pytest.fixture
+def with_check(monkeypatch):
+    monkeypatch.setattr(pipeline, "CHECKS", [no_forbidden_word])
+
+
+def test_a_check_added_to_the_pipeline_refuses_on_every_way_in(with_check, fake_backend, tmp_path):
+    body = {"model": "tiny", "input": "a forbidden text"}
+    app = create_app(fake_backend, Limits())
+    # HTTP
+    with TestClient(app) as client:
+        r = client.post("/v1/score", json=body)
+        assert r.status_code == 400 and r.json()["error"]["message"] == MESSAGE
+        assert r.json()["error"]["param"] == "input"
+        assert client.post("/v1/score", json={**body, "input": "a fine text"}).status_code == 200
+    # a batch line, as the batch runner answers it
+    batch_runner.install(app, BatchSettings(data_dir=str(tmp_path)))
+    runner = batch_runner.BatchRunner(app, app.state.batch_store, 86400)
+    asyncio.run(runner._run_line(Line("batch_1", 0, "line-0", orjson.dumps(body), "anonymous", "/v1/score")))
+    (result,) = runner.results
+    line = orjson.loads(result.data)
+    assert result.is_error and line["response"]["status_code"] == 400
+    assert line["response"]["body"]["error"]["message"] == MESSAGE
+    # a dataset job's row, in process
+    scorer = InProcessScorer(fake_backend)
+    refused, fine = scorer.prepare([Row(0, "a", "a forbidden text"), Row(1, "b", "a fine text")])
+    assert refused.error == MESSAGE and fine.error is None and fine.item is not None
+    # logprobe score TEXT, in process
+    with pytest.raises(SystemExit, match=f"logprobe score: {MESSAGE}"):
+        score_cli.answer_in_process(fake_backend, {**body, "model": fake_backend.info.name})
+
+
+@pytest.mark.parametrize("path, field, body", [
+    ("/v1/completions", "logit_bias", {"prompt": "x", "max_tokens": 1, "logit_bias": {"49152": 1}}),
+    ("/v1/completions", "allowed_token_ids", {"prompt": "x", "max_tokens": 1, "allowed_token_ids": [1, 49152]}),
+    ("/v1/completions", "prompt", {"prompt": [1, 49152], "max_tokens": 1}),
+    ("/v1/score", "input", {"input": [1, 49152]}),
+    ("/detokenize", "tokens", {"tokens": [1, 49152]}),
+])
+def test_an_id_outside_the_vocabulary_names_its_size(fake_client, path, field, body):
+    """vLLM's own test reads the vocabulary's size (49152 here) in the message, with the field."""
+    r = fake_client.post(path, json={"model": "tiny", **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == field
+    assert error["message"] == (f"Invalid value for '{field}': token id 49152 is outside the vocabulary of "
+                                "49152 tokens (ids 0 to 49151).")
