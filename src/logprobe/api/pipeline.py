@@ -87,15 +87,15 @@ class Answer:
 class Pipeline:
     """The steps of every request that runs a model, with its dependencies given: `limits`, `admission`
     (api/admission.py or its cluster twin; None: no hold, for a process that serves only its caller),
-    `request_timeout` (a function: the setting is read at each request), and the served models
-    (`attach`; the first is the default where `model` is optional)."""
+    `request_timeout` (a function: the setting is read at each request), the served models (`attach`;
+    the first is the default where `model` is optional), and `checks` beyond each route's own."""
 
     def __init__(self, limits: Limits, admission=None, request_timeout: Callable[[], float | None] = lambda: None,
                  backends=(), checks: list[Callable] | None = None):
         self.limits = limits
         self.admission = admission
         self.request_timeout = request_timeout
-        self.checks = CHECKS if checks is None else checks
+        self.checks = checks  # None: the module's CHECKS, as they are at each request
         self.backends: list = []
         self.attach(backends)
 
@@ -125,7 +125,7 @@ class Pipeline:
     def build(self, endpoint: Endpoint, req, target, prepared, request_id: str) -> Checked:
         """The caps and every check of `checks`, then the engine's requests."""
         endpoint.check_caps(target, req, prepared, self.limits)
-        for check in self.checks:
+        for check in CHECKS if self.checks is None else self.checks:
             check(endpoint, target, req, prepared, self.limits)
         return Checked(endpoint, req, target, prepared, endpoint.build_requests(target, req, prepared, request_id))
 
