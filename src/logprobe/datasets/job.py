@@ -58,38 +58,25 @@ def chunks(prepared: list, max_rows: int = 256, max_tokens: int = 32_768) -> lis
 
 async def score_chunks(scorer, pieces: list[list], on_chunk, depth: int = IN_FLIGHT, on_rows=None) -> None:
     """Score chunks, `depth` at a time; `on_chunk(chunk, records)` as each finishes, in finishing order;
-    `on_rows(rows, tokens)` as rows come back: as the scorer reports them where its `run` takes
-    `on_rows` (a remote scorer: each request's), and whatever it did not report when its chunk ends."""
+    `on_rows(rows, tokens)` as rows come back: as the scorer reports them where its `run` takes `on_rows`
+    (a remote scorer: each request's rows), else a chunk's rows when it finishes."""
     queue = list(pieces)
     running: set[asyncio.Task] = set()
     owner: dict[asyncio.Task, list] = {}
-    counted: dict[int, int] = {}  # id(chunk) -> rows reported so far
     reports = on_rows is not None and "on_rows" in inspect.signature(scorer.run).parameters
-
-    def reporter(chunk):
-        def report(rows: int, tokens: int) -> None:
-            counted[id(chunk)] = counted.get(id(chunk), 0) + rows
-            on_rows(rows, tokens)
-        return report
-
     try:
         while queue or running:
             while queue and len(running) < depth:
                 chunk = queue.pop(0)
-                run = scorer.run(chunk, on_rows=reporter(chunk)) if reports else scorer.run(chunk)
-                task = asyncio.ensure_future(run)
+                task = asyncio.ensure_future(scorer.run(chunk, on_rows=on_rows) if reports else scorer.run(chunk))
                 running.add(task)
                 owner[task] = chunk
             done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
-                chunk = owner.pop(task)
-                records = task.result()
+                chunk, records = owner.pop(task), task.result()
                 on_chunk(chunk, records)
                 if on_rows is not None and not reports:
                     on_rows(len(chunk), sum(r.get("num_tokens") or 0 for r in records))
-                elif reports and len(chunk) > counted.get(id(chunk), 0):
-                    on_rows(len(chunk) - counted.get(id(chunk), 0), 0)
-                counted.pop(id(chunk), None)
     finally:
         for task in running:
             task.cancel()
