@@ -92,14 +92,15 @@ class ScoreClient:
     async def request(self, method: str, path: str, body: dict | None = None) -> dict:
         """The JSON answer of one request, tried again as the module says."""
         for attempt in range(1, self.max_attempts + 1):
-            url = self.urls[next(self._next_url)] + path
+            base = self.urls[next(self._next_url)]
+            url = base + path
             wait = min(30.0, 0.5 * 2 ** attempt) * (0.5 + random.random() / 2)
             try:
                 r = await self._http.request(method, url, json=body)
             except httpx.ConnectError as exc:
                 if not self.answered:
-                    raise ServerError(f"cannot connect to {url}: {exc or 'connection refused'} (is a logprobe "
-                                      "server running there?)") from None
+                    raise ServerError(f"cannot connect to {base} ({exc or type(exc).__name__}): is a logprobe "
+                                      "server running at that address?") from None
                 problem = f"{url}: {type(exc).__name__}: {exc}"
             except httpx.TransportError as exc:
                 problem = f"{url}: {type(exc).__name__}: {exc}"
