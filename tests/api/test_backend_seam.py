@@ -379,12 +379,20 @@ def test_unavailable_backend_is_503(fake_client, fake_backend, monkeypatch):
 
 @pytest.mark.parametrize("after", [0, 2])
 def test_unavailable_backend_while_streaming_is_an_event(fake_client, fake_backend, monkeypatch, after):
+    """Lost before the first chunk: the stream's status is 503 (nothing was sent yet); lost after it:
+    an error event after the chunks sent."""
     monkeypatch.setattr(fake_backend, "fail_with", BackendUnavailable("the replica went away"))
     monkeypatch.setattr(fake_backend, "fail_after_steps", after)
     for path, body in [("/v1/completions", BODY),
                        ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
                                                  "max_tokens": 5})]:
         r = fake_client.post(path, json={**body, "stream": True})
+        if after == 0:
+            err = r.json()["error"]
+            assert r.status_code == 503 and err["code"] == "unavailable" and "went away" in err["message"]
+            assert fake_backend.streams[-1].closed and not fake_backend.streams[-1].finished
+            nothing_held(fake_client)
+            continue
         assert r.status_code == 200
         events = sse_events(r.text)
         assert events[-1]["error"]["code"] == "unavailable" and events[-1]["error"]["type"] == "server_error"

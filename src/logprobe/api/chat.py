@@ -47,9 +47,7 @@ class ChatRequest:
 
 def parse(body: dict, limits: Limits) -> ChatRequest:
     req = ChatBody.parse(body, limits)
-    max_tokens, max_tokens_field = req.max_completion_tokens, "max_completion_tokens"
-    if max_tokens is None:
-        max_tokens, max_tokens_field = req.max_tokens, "max_tokens"
+    max_tokens, max_tokens_field = req.max_tokens_given
     params = SamplingParams(max_tokens=max_tokens or 0, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                             **req.sampling_kwargs(limits))
     return ChatRequest(req.model, req.messages, params, max_tokens, params.logprobs, req.stream, req.include_usage,
@@ -81,6 +79,10 @@ def tokenize(backend, req: ChatRequest) -> list[int]:
 def check_caps(backend, req: ChatRequest, ids: list[int], limits: Limits) -> None:
     check_request_caps(backend, [ids], req.params, req.residual, limits, prompt_param="messages",
                        max_tokens_param=req.max_tokens_field if req.max_tokens is not None else "messages")
+    if req.params.min_tokens > req.params.max_tokens:  # the default max_tokens: what the context leaves
+        raise InvalidRequest(f"Invalid value for 'min_tokens': {req.params.min_tokens} is more than the "
+                             f"{req.params.max_tokens} tokens the context leaves after the messages (the default "
+                             "'max_completion_tokens'); 'min_tokens' must be at most that.", "min_tokens")
     check_steering(backend, req.params)
 
 

@@ -10,8 +10,8 @@ import asyncio
 from fastapi import Request
 from starlette.responses import StreamingResponse
 
-from ..backend import INTERACTIVE, BackendUnavailable, GenerationOutput, GenerationRequest
-from .errors import Timeout, Unavailable
+from ..backend import INTERACTIVE, BackendUnavailable, GenerationOutput, GenerationRequest, RequestConflict
+from .errors import InvalidRequest, Timeout, Unavailable
 from .streaming import stream_sse
 
 
@@ -80,6 +80,8 @@ async def run_jobs_while_connected(request: Request, jobs: list[tuple]) -> list[
         return [run.result()] if single else run.result()
     except BackendUnavailable as exc:
         raise BackendLost(str(exc) or "The model replica serving this request went away; try again.") from None
+    except RequestConflict as exc:  # its own fields leave nothing to generate: the request's mistake
+        raise InvalidRequest(exc.message, exc.param) from None
 
 
 async def admit(request: Request, requests: list[GenerationRequest]):
@@ -171,17 +173,50 @@ async def run_held_jobs(request: Request, jobs: list[tuple]):
     return hold, results
 
 
-def stream_held(request: Request, backend, requests, hold, k: int, format_deltas, final_chunks) -> StreamingResponse:
+async def stream_held(request: Request, backend, requests, hold, k: int, format_deltas, final_chunks
+                      ) -> StreamingResponse:
     """The streamed answer of requests already admitted (`hold`): SSE chunks as the backend releases
-    tokens; the hold is given back, and the usage recorded, when the stream ends however it ends."""
+    tokens; the hold is given back, and the usage recorded, when the stream ends however it ends.
+
+    The status goes out with the first chunk, not before: until the first token is picked an error is
+    still the request's own status (an impossible constraint at the first token: 400, a lost replica:
+    503), not a 200 followed by an error event. A client that leaves meanwhile aborts the requests."""
     usage = {"completion": 0, "lost": False}
 
     def on_end(end, released, lost):
         usage["completion"] = sum(end.num_generated) if end is not None else released
         usage["lost"] = lost
 
+    def close():
+        release(request, hold, requests, usage["completion"], usage["lost"])
+
     gen = stream_sse(backend, requests, k, request.state.request_id, format_deltas, final_chunks,
                      timeout=request.app.state.settings.request_timeout or None, on_end=on_end)
-    return HeldStream(gen, lambda: release(request, hold, requests, usage["completion"], usage["lost"]),
-                      media_type="text/event-stream",
+    first = asyncio.ensure_future(anext(gen))
+    watcher = asyncio.ensure_future(disconnected(request))
+    try:
+        await asyncio.wait({first, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not first.done():
+            first.cancel()
+            await asyncio.gather(first, return_exceptions=True)
+            raise ClientGone(usage["completion"])
+        head = first.result()  # the first chunk, or the error before it
+    except BaseException:
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        await gen.aclose()
+        close()
+        raise
+    finally:
+        watcher.cancel()
+
+    async def body():
+        try:
+            yield head
+            async for chunk in gen:
+                yield chunk
+        finally:  # however the response ends: the backend's stream is closed (aborting what still runs)
+            await gen.aclose()
+
+    return HeldStream(body(), close, media_type="text/event-stream",
                       headers={"cache-control": "no-cache", "x-accel-buffering": "no", **hold.headers})

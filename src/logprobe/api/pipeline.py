@@ -164,7 +164,8 @@ async def serve(request: Request, endpoint: Endpoint) -> Response:
     if endpoint.stream_formatters is not None and req.stream:
         format_deltas, final_chunks = endpoint.stream_formatters(target, req, prepared, requests)
         hold = await admit(request, requests)
-        return stream_held(request, target, requests, hold, req.params.logprobs or 0, format_deltas, final_chunks)
+        return await stream_held(request, target, requests, hold, req.params.logprobs or 0, format_deltas,
+                                 final_chunks)
     hold, outputs, payload, parts = await run_and_format(request, endpoint, req, target, prepared, requests)
     return with_headers(await body_response(payload, parts, endpoint.whole_vocab(req), outputs), hold.headers)
 
