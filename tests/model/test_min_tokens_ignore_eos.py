@@ -16,19 +16,16 @@ import asyncio
 import numpy as np
 import pytest
 
-from logprobe.engine.engine import Engine
 from logprobe.engine.host.request import SamplingParams, SequenceGroup
 
 TOL = 2e-5
 PROMPT = "The quick brown fox jumps over"
 
 
-@pytest.fixture(scope="module", params=["fast", "hf"])
-def engine(request, tiny_model, tokenizer):
-    engine = Engine(tiny_model, tokenizer, "tiny", [], fast=request.param == "fast")
-    engine.start()
-    yield engine
-    engine.stop()
+@pytest.fixture(scope="module")
+def runner_model(tiny_model):
+    """The model `engine` (tests/conftest.py) runs on both runners."""
+    return tiny_model
 
 
 def run(engine, **params):

@@ -32,12 +32,10 @@ def sharp_reference(sharp_model, reference_of):
     return reference_of(sharp_model)
 
 
-@pytest.fixture(scope="module", params=["fast", "hf"])
-def engine(request, sharp_model, tokenizer):
-    engine = Engine(sharp_model, tokenizer, "sharp", [], fast=request.param == "fast")
-    engine.start()
-    yield engine
-    engine.stop()
+@pytest.fixture(scope="module")
+def runner_model(sharp_model):
+    """The model `engine` (tests/conftest.py) runs on both runners."""
+    return sharp_model
 
 
 def run(engine, *groups):
