@@ -83,6 +83,19 @@ def reference(tiny_model):
     return Reference(tiny_model)
 
 
+@pytest.fixture(scope="module", params=["fast", "hf"])
+def engine(request, runner_model, tokenizer):
+    """The module's `runner_model` on the lean runner, then on transformers' forward: a test module that
+    defines the fixture `runner_model` and asks for `engine` runs its tests on both runners."""
+    from logprobe.engine.engine import Engine
+
+    engine = Engine(runner_model, tokenizer, "test/runner-model", [], fast=request.param == "fast")
+    assert engine.info.runner == ("lean" if request.param == "fast" else "transformers")
+    engine.start()
+    yield engine
+    engine.stop()
+
+
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_model, tokenizer):
     from logprobe.engine.engine import Engine

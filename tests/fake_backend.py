@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from logprobe.backend import (RequestAborted, Delta, GenerationOutput, GenerationRequest, ModelInfo, PositionColumns,
-                              PromptColumns, StreamEnd, finished_without_forward)
+from logprobe.backend import (RequestAborted, RequestConflict, Delta, GenerationOutput, GenerationRequest, ModelInfo,
+                              PositionColumns, PromptColumns, StreamEnd, finished_without_forward)
 from logprobe.engine.host.captures import capture_residual
 from logprobe.engine.host.output_processor import OutputProcessor
 from logprobe.engine.host.picks import Pick
@@ -521,10 +521,11 @@ class FakeBackend:
     def _fail_now(self, steps_done: int) -> None:
         if self.fail_with is not None and steps_done >= self.fail_after_steps:
             exc = self.fail_with
-            self.request_failures += 1
-            self.last_error = (type(exc).__name__, time.time())
-            if self.failure_observer is not None:
-                self.failure_observer("request")
+            if not isinstance(exc, RequestConflict):  # the request's own error is no failure (engine/core.py)
+                self.request_failures += 1
+                self.last_error = (type(exc).__name__, time.time())
+                if self.failure_observer is not None:
+                    self.failure_observer("request")
             raise exc
 
     def _step_all(self, groups: list[SequenceGroup], steps_done: int, on_step=None) -> bool:

@@ -47,6 +47,8 @@ class Constraint:
 
     kind: str  # "json_object" | "json_schema" | "regex" | "choice" | "grammar" (Lark)
     source: str  # the schema as canonical JSON text, the regex, the choices as a JSON array text, the grammar
+    # the body's field it came from, for messages only (not part of the grammar: compiled once for both)
+    param: str = field(default="structured_outputs", compare=False)
 
 
 @dataclass
@@ -54,6 +56,8 @@ class SamplingParams:
     """Everything the engine needs to run one prompt's choices."""
 
     max_tokens: int = 16
+    min_tokens: int = 0  # no stop token or stop string ends a choice before it has this many tokens (vLLM)
+    ignore_eos: bool = False  # stop tokens do not end a choice (vLLM); stop strings still do
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -114,13 +118,14 @@ class SamplingParams:
     @property
     def is_steered(self) -> bool:
         """Whether something beyond temperature, top-k and top-p shapes the draw (engine/device/steering.py)."""
-        return (bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words_ids)
-                or self.constraint is not None)
+        return bool(self.logit_bias) or self.is_masked
 
     @property
     def is_masked(self) -> bool:
-        """Whether some tokens may not be drawn (not a bias): the choice reports `constraint_logprobs`."""
-        return self.allowed_token_ids is not None or bool(self.bad_words_ids) or self.constraint is not None
+        """Whether some tokens may not be drawn (not a bias): the choice reports `constraint_logprobs`.
+        `min_tokens` masks the stop tokens of a choice's first tokens."""
+        return (self.allowed_token_ids is not None or bool(self.bad_words_ids) or self.constraint is not None
+                or self.min_tokens > 0)
 
     @property
     def records_processed(self) -> bool:
@@ -359,6 +364,21 @@ class StreamEnd:
 
 class RequestAborted(Exception):
     """The request was stopped by `Backend.abort` before it finished."""
+
+
+class RequestConflict(Exception):
+    """The request's own settings leave nothing to generate, found only while it runs (its masks allow no
+    token at some position: `allowed_token_ids`, `bad_words`, a constraint and `min_tokens` disagree).
+    The request's fault, not the backend's: the API answers 400 with `message`, naming the fields, and
+    the engine does not count it as a failure."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message, param)  # both in `args`: it pickles across a process (Ray Serve)
+        self.message = message
+        self.param = param
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class BackendUnavailable(Exception):

@@ -248,7 +248,7 @@ def _add_score(score: argparse.ArgumentParser) -> None:
 
 def _add_score_dataset(group) -> None:
     group.add_argument("--input", metavar="FILE", help="score every row of a .jsonl, .csv, .parquet or .txt "
-                       "(one text a line) file; needs pip install 'logprobe[data]'")
+                       "(one text a line) file; needs the data extra: pip install -e '.[data]' in a checkout")
     group.add_argument("--output", metavar="FILE", help="where the results go: .parquet, .jsonl or .csv "
                        "(default: the input's name + .scores.parquet)")
     group.add_argument("--column", default="text", help="the column of texts (default %(default)s)")

@@ -21,7 +21,7 @@ from fake_backend import FakeBackend, TinyTokenizer
 from paused_engine import paused_after, timer_after
 from logprobe.api.app import create_app
 from logprobe.backend import (Backend, BackendUnavailable, Delta, RequestAborted, GenerationOutput, GenerationRequest,
-                              Intervention, SamplingParams, StreamEnd)
+                              Intervention, RequestConflict, SamplingParams, StreamEnd)
 from logprobe.config import AdmissionSettings, Limits
 
 TESTS = Path(__file__).resolve().parent.parent
@@ -379,12 +379,20 @@ def test_unavailable_backend_is_503(fake_client, fake_backend, monkeypatch):
 
 @pytest.mark.parametrize("after", [0, 2])
 def test_unavailable_backend_while_streaming_is_an_event(fake_client, fake_backend, monkeypatch, after):
+    """Lost before the first chunk: the stream's status is 503 (nothing was sent yet); lost after it:
+    an error event after the chunks sent."""
     monkeypatch.setattr(fake_backend, "fail_with", BackendUnavailable("the replica went away"))
     monkeypatch.setattr(fake_backend, "fail_after_steps", after)
     for path, body in [("/v1/completions", BODY),
                        ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
                                                  "max_tokens": 5})]:
         r = fake_client.post(path, json={**body, "stream": True})
+        if after == 0:
+            err = r.json()["error"]
+            assert r.status_code == 503 and err["code"] == "unavailable" and "went away" in err["message"]
+            assert fake_backend.streams[-1].closed and not fake_backend.streams[-1].finished
+            nothing_held(fake_client)
+            continue
         assert r.status_code == 200
         events = sse_events(r.text)
         assert events[-1]["error"]["code"] == "unavailable" and events[-1]["error"]["type"] == "server_error"
@@ -392,6 +400,35 @@ def test_unavailable_backend_while_streaming_is_an_event(fake_client, fake_backe
         assert all("choices" in e for e in events[:-1]) and (len(events) > 1) == (after > 0)
         assert fake_backend.streams[-1].closed and not fake_backend.streams[-1].finished
         nothing_held(fake_client)
+
+
+@pytest.mark.parametrize("after", [0, 2])
+def test_a_requests_conflict_is_its_400(fake_client, fake_backend, monkeypatch, after):
+    """A request whose own fields leave nothing to generate (RequestConflict, raised by the backend at its
+    first step or a later one): the endpoint's 400 with the backend's message and param, or, once chunks
+    went out, the stream's error event with them; nothing held after, no failure in /health."""
+    message = "Invalid request: 'structured_outputs' and 'allowed_token_ids' together allow no token at ..."
+    monkeypatch.setattr(fake_backend, "fail_with", RequestConflict(message, "structured_outputs"))
+    monkeypatch.setattr(fake_backend, "fail_after_steps", after)
+    failures = fake_client.get("/health").json()["engine_failures"]
+    for path, body in [("/v1/completions", BODY),
+                       ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                                                 "max_tokens": 5})]:
+        for stream in (False, True):
+            r = fake_client.post(path, json={**body, "stream": stream})
+            if stream and after:
+                assert r.status_code == 200
+                *chunks, last = sse_events(r.text)
+                assert chunks and all("choices" in c for c in chunks)
+                err = last["error"]
+            else:
+                assert r.status_code == 400, r.text
+                err = r.json()["error"]
+            assert (err["type"], err["code"], err["param"], err["message"]) == (
+                "invalid_request_error", "invalid_request", "structured_outputs", message)
+            nothing_held(fake_client)
+    health = fake_client.get("/health").json()
+    assert health["engine_failures"] == failures and health["status"] == "ready"
 
 
 @pytest.mark.parametrize("stream", [False, True])

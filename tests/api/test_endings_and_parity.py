@@ -206,3 +206,47 @@ def test_dense_reader_refuses_what_it_cannot_read():
         dense_prompt_logprobs([None, {"token_id": 3, "logprob": -1.0, "rank": 1, "top_logprobs": {}}])
     ok = [None, {"token_id": 3, "logprob": 3.0, "rank": 1, "logprobs": raw}]
     assert dense_prompt_logprobs(ok).shape == (2, 7)
+
+
+MESSAGES = [{"role": "user", "content": "x"}]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_min_tokens_and_ignore_eos_reach_the_engine(fake_client, fake_backend, path, stream):
+    """vLLM's fields (its benchmark tools send `ignore_eos`); left out, the request's parameters are the
+    plain defaults."""
+    body = {"model": "tiny", "max_tokens": 5, "stream": stream,
+            **({"prompt": "x"} if path == "/v1/completions" else {"messages": MESSAGES})}
+    assert fake_client.post(path, json={**body, "min_tokens": 3, "ignore_eos": True}).status_code == 200
+    params = fake_backend.requests[-1].params
+    assert (params.min_tokens, params.ignore_eos, params.max_tokens) == (3, True, 5)
+    assert fake_client.post(path, json={**body, "min_tokens": None, "ignore_eos": None}).status_code == 200
+    assert (fake_backend.requests[-1].params.min_tokens, fake_backend.requests[-1].params.ignore_eos) == (0, False)
+
+
+@pytest.mark.parametrize("path, body, message", [
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 3},
+     "Invalid value for 'min_tokens': 3 is more than 'max_tokens' (2); 'min_tokens' must be at most 'max_tokens'."),
+    ("/v1/completions", {"prompt": "x", "min_tokens": 17}, "17 is more than 'max_tokens' (16)"),  # the default
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": 1, "min_tokens": 2},
+     "2 is more than 'max_completion_tokens' (1)"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1, "min_tokens": 2}, "2 is more than 'max_tokens' (1)"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "min_tokens": 10_000},
+     "tokens the context leaves after the messages (the default 'max_completion_tokens')"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": -1}, "'min_tokens'"),
+    ("/v1/completions", {"prompt": "x", "ignore_eos": "yes"}, "'ignore_eos'"),
+])
+def test_min_tokens_and_ignore_eos_refusals(fake_client, path, body, message):
+    r = fake_client.post(path, json={"model": "tiny", **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "invalid_request" and err["param"] == next(k for k in ("min_tokens", "ignore_eos") if k in body)
+    assert message in err["message"], err["message"]
+
+
+def test_min_tokens_and_ignore_eos_are_in_the_openapi_schema(fake_client):
+    schemas = fake_client.get("/openapi.json").json()["components"]["schemas"]
+    for name in ("CompletionBody", "ChatBody"):
+        props = schemas[name]["properties"]
+        assert props["min_tokens"]["default"] == 0 and props["ignore_eos"]["default"] is False

@@ -181,8 +181,11 @@ def test_a_text_past_the_context(tiny_engine, tmp_path):
     path = tmp_path / "long.jsonl"
     path.write_text('{"text": "fine"}\n{"text": "' + "word " * 400 + '"}\n{"text": "also fine"}\n')
     out = str(tmp_path / "out.parquet")
-    with pytest.raises(DatasetError, match=r"row 1 \(id '1'\) cannot be scored: .*context length.*--skip-invalid"):
+    with pytest.raises(DatasetError, match=r"row 1 \(id '1'\) cannot be scored: .*context length.*--skip-invalid") as info:
         job.run(str(path), out, InProcessScorer(tiny_engine), ScoreOptions(), progress="none")
+    # scoring has no max_tokens: the message names what to shorten
+    assert "this input is 402 tokens long (with its context and the BOS in front" in str(info.value) and "shorten the input or its context" in str(info.value)
+    assert "max_tokens" not in str(info.value)
     assert not os.path.exists(out) and not os.path.exists(out + ".parts")
     options = ScoreOptions(skip_invalid=True)
     job.run(str(path), out, InProcessScorer(tiny_engine, options), options, progress="none")
@@ -286,6 +289,8 @@ def test_bad_input_is_refused(tmp_path):
         return info.value.message
 
     assert "no column 'text'" in refused('{"body": "a"}\n') and "'body'" in refused('{"body": "a"}\n')
+    for empty in ("", "\n\n"):  # no row, so no column: the file is empty, not "no column 'text' ... (none)"
+        assert refused(empty).endswith("in.jsonl: the file is empty: there are no rows to score")
     assert "row 1 of column 'text' is int, not text" in refused('{"text": "a"}\n{"text": 5}\n')
     assert "row 0 of column 'text' is null" in refused('{"other": 1}\n{"text": "b"}\n')
     assert "line 2 is not JSON" in refused('{"text": "a"}\n{oops\n')
@@ -301,7 +306,8 @@ def test_without_the_data_extra_says_what_to_install(monkeypatch, tmp_path):
     import sys
 
     monkeypatch.setitem(sys.modules, "pyarrow", None)  # import pyarrow now fails
-    with pytest.raises(DatasetError, match=r"needs pyarrow: pip install 'logprobe\[data\]'"):
+    with pytest.raises(DatasetError, match=r"needs pyarrow: in your checkout of logprobe, pip install -e '\.\[data\]' "
+                       r"\(installed from a package index: pip install 'logprobe\[data\]'\)"):
         read_rows(str(tmp_path / "x.jsonl"))
 
 

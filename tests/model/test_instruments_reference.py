@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from logprobe.engine.engine import Engine
 from logprobe.engine.host.request import SamplingParams, SequenceGroup
 
 TOL = 4e-5  # the sharper model's logits are ~5x the other tests': float32 rounding grows with them
@@ -35,13 +34,10 @@ def sharp_reference(sharp_model, reference_of):
     return reference_of(sharp_model)
 
 
-@pytest.fixture(scope="module", params=["fast", "hf"])
-def engine(request, sharp_model, tokenizer):
-    engine = Engine(sharp_model, tokenizer, "sharp", [], fast=request.param == "fast")
-    assert engine.info.runner == ("lean" if request.param == "fast" else "transformers")
-    engine.start()
-    yield engine
-    engine.stop()
+@pytest.fixture(scope="module")
+def runner_model(sharp_model):
+    """The model `engine` (tests/conftest.py) runs on both runners."""
+    return sharp_model
 
 
 def run(engine, *groups):

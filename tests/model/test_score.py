@@ -70,6 +70,28 @@ def test_score_equals_completions_echo(client):
     assert s["num_tokens"] == 4
 
 
+def test_score_and_completions_agree_on_the_same_tokens(client, reference, tiny_engine):
+    """docs/api.md section 5's table: a context and an input read by /v1/score (BOS in front) and the same
+    text as a completions prompt (no BOS: SmolLM2's tokenizer adds none) differ; `add_bos: false` on the
+    score, or the BOS's id in front of a token-id prompt, makes them the same numbers (the reference's)."""
+    context, text = "Is the sky blue? Answer:", " no"
+    ids = tiny_engine.tokenizer(context + text).input_ids
+    bos = tiny_engine.info.bos_token_id
+    assert ids[0] != bos  # the tokenizer adds no BOS to a text
+
+    def echoed(prompt):
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 0}
+        return client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]["token_logprobs"][-1]
+
+    with_bos = score(client, input=text, context=context)["data"][0]["logprob"]
+    without = score(client, input=text, context=context, add_bos=False)["data"][0]["logprob"]
+    ref_with, ref_without = (reference.logprobs(head + ids).numpy()[-2][ids[-1]] for head in ([bos], []))
+    assert with_bos == pytest.approx(ref_with, abs=TOL) and without == pytest.approx(ref_without, abs=TOL)
+    assert abs(with_bos - without) > 100 * TOL  # the BOS changes the number
+    assert echoed(context + text) == pytest.approx(without, abs=TOL)
+    assert echoed([bos] + ids) == pytest.approx(with_bos, abs=TOL)
+
+
 def test_context_is_conditioned_on_not_scored(client, reference, tiny_engine):
     out = score(client, input=[" mat", " rug"], context="The cat sat on the")
     bos = tiny_engine.info.bos_token_id
@@ -96,6 +118,9 @@ def test_score_errors(client):
     assert err({"input": [1, 99999999]})["param"] == "input"
     assert err({"input": "a", "echo": True})["param"] == "echo"
     assert err({"input": [5] * 300})["code"] == "context_length_exceeded"
+    message = err({"input": [5] * 300, "context": "a b"})["message"]  # scoring has no max_tokens to reduce
+    assert message == ("This model's maximum context length is 256 tokens. However, this input is 303 tokens long "
+                       "(with its context and the BOS in front, if any). Please shorten the input or its context.")
 
 
 @pytest.mark.parametrize("n", [1, 7])

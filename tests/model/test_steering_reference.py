@@ -16,7 +16,7 @@ import pytest
 
 from logprobe.engine.engine import Engine
 from logprobe.engine.host.request import SamplingParams, SequenceGroup
-from logprobe.backend import Constraint
+from logprobe.backend import Constraint, RequestConflict
 
 TOL = 4e-5  # as test_instruments_reference.py (the same sharp model), plus a relative 1e-5
 PROMPT = "The quick brown fox jumps over"
@@ -32,12 +32,10 @@ def sharp_reference(sharp_model, reference_of):
     return reference_of(sharp_model)
 
 
-@pytest.fixture(scope="module", params=["fast", "hf"])
-def engine(request, sharp_model, tokenizer):
-    engine = Engine(sharp_model, tokenizer, "sharp", [], fast=request.param == "fast")
-    engine.start()
-    yield engine
-    engine.stop()
+@pytest.fixture(scope="module")
+def runner_model(sharp_model):
+    """The model `engine` (tests/conftest.py) runs on both runners."""
+    return sharp_model
 
 
 def run(engine, *groups):
@@ -48,9 +46,10 @@ def run(engine, *groups):
     return [g.output() for g in groups]
 
 
-def run_together(engine, *groups):
+def run_together(engine, *groups, may_fail=False):
     """`run`, with every group entering the engine at the same step whatever the machine's speed: a
-    gate request holds the engine thread (in its step callback) until all of them are queued."""
+    gate request holds the engine thread (in its step callback) until all of them are queued. With
+    `may_fail`, a group's error stays on the group (`group.error`) instead of being raised."""
     entered, release = threading.Event(), threading.Event()
     gate = group(engine, "Gate", max_tokens=1, temperature=0)
 
@@ -66,10 +65,10 @@ def run_together(engine, *groups):
             await asyncio.sleep(0.001)
         futures = engine.submit(list(groups))
         release.set()
-        await asyncio.gather(*waiting, *futures)
+        await asyncio.gather(*waiting, *futures, return_exceptions=may_fail)
 
     asyncio.run(go())
-    return [g.output() for g in groups]
+    return [g.output() for g in groups if g.error is None]
 
 
 def group(engine, prompt=PROMPT, **params):
@@ -259,6 +258,32 @@ def test_plain_answers_unchanged_beside_steered(engine):
     alone = answers(run_together(engine, *[group(engine, p, **params) for p, params in zip(prompts, PLAIN)]))
     run(engine, group(engine, "Other", **STEERED))
     assert answers(run_together(engine, *[group(engine, p, **params) for p, params in zip(prompts, PLAIN)])) == alone
+
+
+def test_a_conflict_fails_its_request_only(engine):
+    """Requests whose masks leave no token (at the first token, picked after the prompt's pass; at the
+    second, in a shared decode step) fail with the conflict, naming their fields; the plain and steered
+    requests of the same steps answer as without them, and the engine counts no failure."""
+    prompts = ["Once upon a time", "A somewhat longer prompt for the batch"]
+    failures = (engine.step_failures, engine.request_failures, engine.last_error)
+
+    def others():
+        return [group(engine, p, **params) for p, params in zip(prompts, PLAIN)] + [group(engine, "Other", **STEERED)]
+
+    first = group(engine, "Other", max_tokens=3, allowed_token_ids=(330,), bad_words_ids=((330,),))
+    second = group(engine, "Other", max_tokens=3, n=2, allowed_token_ids=(330,), bad_words_ids=((330, 330),))
+    mixed = others()
+    run_together(engine, *mixed, first, second, may_fail=True)
+    assert isinstance(first.error, RequestConflict) and isinstance(second.error, RequestConflict)
+    assert "'allowed_token_ids' and 'bad_words' together allow no token at generated token 1" in first.error.message
+    assert "at generated token 2" in second.error.message and second.error.param == "allowed_token_ids"
+    assert all(g.error is None for g in mixed)
+    alone = run_together(engine, *others())
+    for got, want in zip([g.output() for g in mixed], alone):
+        for a, b in zip(got.choices, want.choices):
+            assert a.token_ids.tolist() == b.token_ids.tolist() and a.text == b.text
+            assert_same_numbers(a.logprobs, b.logprobs)
+    assert (engine.step_failures, engine.request_failures, engine.last_error) == failures
 
 
 class DigitGrammar:

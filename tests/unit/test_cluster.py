@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import threading
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -376,3 +377,41 @@ def test_the_application_reads_settings_without_the_cli(ray_app):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+def test_a_replica_carries_a_requests_conflict_back_as_its_400(ray_app):
+    """A request whose own fields leave nothing to generate fails on the replica with RequestConflict:
+    it comes back as the 400 the ingress answers (Ray would otherwise wrap it as an exception whose
+    fields do not survive), run or streamed, and the replica's hold is given back."""
+    from logprobe.backend import GenerationRequest, RequestConflict, SamplingParams
+
+    conflict = RequestConflict("Invalid request: 'allowed_token_ids' and 'bad_words' together allow no token at "
+                               "generated token 2, ...", "allowed_token_ids")
+
+    class Engine:
+        async def run(self, requests):
+            raise conflict
+
+        async def stream(self, requests, k):
+            yield ["first"]
+            raise conflict
+
+        def stop(self):
+            pass
+
+    replica = object.__new__(ray_app.ModelReplica)
+    replica.engine, replica.admission, replica._stop = Engine(), Admission(100, 0, 10, 1.0), threading.Event()
+    request = GenerationRequest("r", [1, 2], SamplingParams(max_tokens=3))
+
+    async def both():
+        ran = await replica.run([request])
+        streamed = [event async for event in replica.stream([request], 0)]
+        return ran, streamed
+
+    ran, streamed = asyncio.run(both())
+    assert streamed[0] == ["first"] and len(streamed) == 2
+    for refusal in (ran, streamed[1]):
+        err = refusal.error()
+        assert (err.status, err.code, err.param, err.message) == (400, "invalid_request", "allowed_token_ids",
+                                                                  conflict.message)
+    assert replica.admission.held == 0

@@ -53,6 +53,8 @@ def test_a_block_reports_its_first_problem_by_input_row():
     assert problem == (1, 101, "in.parquet: row 101 of column 'body' is null, not text")
     problem = ray_input.index_block(table, 0, [], dict(NAMES, id="nope"), "in.parquet", [6], buckets=0)[0]
     assert problem[2] == "in.parquet: no column 'nope' (--id-column); the columns are: 'key', 'body', 'q'"
+    problem = ray_input.index_block(pa.table({}), 0, [], NAMES, "in.jsonl", [], buckets=0)[0]
+    assert problem[2] == "in.jsonl: the file is empty: there are no rows to score"  # as the in-process job
 
 
 def test_input_files_of_a_directory_and_a_glob(tmp_path):

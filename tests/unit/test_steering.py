@@ -1,7 +1,8 @@
 """engine/device/steering.py on made-up rows: the masks of allowed_token_ids, bad words (one token: always;
 several: only after the tokens before the last) and a grammar (complete and allowing only the end: the
 stop tokens alone), the scores the sampler draws from, the allowed log mass (exactly 0 where nothing is
-masked), and `steered_distributions` against a float64 computation."""
+masked), `min_tokens` masking the stop tokens, a conflict named by its fields, and `steered_distributions`
+against a float64 computation."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from logprobe.backend import SamplingParams
+from logprobe.backend import Constraint, RequestConflict, SamplingParams
 from logprobe.engine.device.steering import NoAllowedToken, Steering, allowed_logmass, steered_distributions
 
 V = 12
@@ -59,10 +60,29 @@ def test_grammar_masks_and_the_end():
     np.testing.assert_array_equal(s.row_mask([], mask_of(1, 2)[:5], False), mask_of(1, 2))
 
 
-def test_no_allowed_token_is_an_error():
-    s = steering(allowed_token_ids=(1, 2))
-    with pytest.raises(NoAllowedToken, match="exclude every token"):
+def test_no_allowed_token_is_the_requests_error():
+    """A RequestConflict (the API's 400), naming the fields in force at that token as the body names them."""
+    s = steering(allowed_token_ids=(1, 2), constraint=Constraint("regex", "x", param="response_format"))
+    with pytest.raises(RequestConflict, match="^Invalid request: 'response_format' and 'allowed_token_ids' together "
+                       "allow no token at generated token 2, so nothing") as caught:
         s.masks([[0]], [(mask_of(5), False)])
+    assert isinstance(caught.value, NoAllowedToken) and caught.value.param == "response_format"
+    with pytest.raises(RequestConflict, match="'allowed_token_ids' and 'bad_words' together allow no token at "
+                       "generated token 1"):
+        steering(allowed_token_ids=(1,), bad_words_ids=((1,),)).masks([[]])
+    with pytest.raises(RequestConflict, match="'structured_outputs' allows no token at generated token 1"):
+        steering(constraint=Constraint("regex", "x")).masks([[]], [(mask_of(), False)])
+
+
+def test_min_tokens_masks_the_stop_tokens_until_then():
+    s = steering(min_tokens=2, stop_token_ids=frozenset({3, 11}))
+    np.testing.assert_array_equal(s.row_mask([7]), ~mask_of(3, 11))
+    assert s.row_mask([7, 7]) is None  # from the third token on, nothing is masked
+    # a complete grammar that allows only the end, before min_tokens: nothing left, named
+    with pytest.raises(RequestConflict, match="'structured_outputs' and 'min_tokens' together allow no token at "
+                       "generated token 2"):
+        steering(min_tokens=2, stop_token_ids=frozenset({11}), constraint=Constraint("regex", "x")).masks(
+            [[7]], [(mask_of(11), True)])
 
 
 def test_scores_and_allowed_logmass():

@@ -31,11 +31,17 @@ def check_text_length(backend, texts, param: str) -> None:
 def check_request_caps(backend, prompts: list[list[int]], params: SamplingParams,
                        residual: ResidualRequest | None, limits: Limits, prompt_param: str = "prompt",
                        max_tokens_param: str = "max_tokens", positions_param: str | None = None) -> None:
-    """Every cap of docs/api.md section 8 that depends on the tokenized prompts, and the context length."""
+    """Every cap of docs/api.md section 8 that depends on the tokenized prompts, and the context length.
+    A request that only reads its text (`/v1/score`, `/v1/compare`) names the text as both params."""
     compile_constraint(backend, params.constraint)  # the grammar for this model's tokens (cached)
     ctx = backend.info.context_length
     for ids in prompts:
         total = len(ids) + params.max_tokens
+        if total > ctx and max_tokens_param == prompt_param:  # a text to read: nothing to generate
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {ctx} tokens. However, this {prompt_param} is "
+                f"{len(ids)} tokens long (with its context and the BOS in front, if any). Please shorten the "
+                f"{prompt_param} or its context.", prompt_param)
         if total > ctx:
             param = prompt_param if len(ids) >= ctx else max_tokens_param
             raise ContextLengthExceeded(

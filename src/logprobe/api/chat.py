@@ -48,9 +48,7 @@ class ChatRequest:
 
 def parse(body: dict, limits: Limits) -> ChatRequest:
     req = ChatBody.parse(body, limits)
-    max_tokens, max_tokens_field = req.max_completion_tokens, "max_completion_tokens"
-    if max_tokens is None:
-        max_tokens, max_tokens_field = req.max_tokens, "max_tokens"
+    max_tokens, max_tokens_field = req.max_tokens_given
     params = SamplingParams(max_tokens=max_tokens or 0, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                             **req.sampling_kwargs(limits))
     return ChatRequest(req.model, req.messages, params, max_tokens, params.logprobs, req.stream, req.include_usage,
@@ -87,6 +85,10 @@ def check_caps(backend, req: ChatRequest, ids: list[int], limits: Limits) -> Non
     params = engine_params(backend, req, ids)
     check_request_caps(backend, [ids], params, req.residual, limits, prompt_param="messages",
                        max_tokens_param=req.max_tokens_field if req.max_tokens is not None else "messages")
+    if params.min_tokens > params.max_tokens:  # the default max_tokens: what the context leaves
+        raise InvalidRequest(f"Invalid value for 'min_tokens': {params.min_tokens} is more than the "
+                             f"{params.max_tokens} tokens the context leaves after the messages (the default "
+                             "'max_completion_tokens'); 'min_tokens' must be at most that.", "min_tokens")
     check_steering(backend, params)
 
 

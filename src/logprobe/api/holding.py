@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 from starlette.responses import StreamingResponse
 
-from ..backend import INTERACTIVE, BackendUnavailable, GenerationOutput, GenerationRequest
-from .errors import Timeout, Unavailable
+from ..backend import INTERACTIVE, BackendUnavailable, GenerationOutput, GenerationRequest, RequestConflict
+from .errors import InvalidRequest, Timeout, Unavailable
 from .streaming import stream_sse
 
 
@@ -100,6 +100,8 @@ async def run_jobs_while_connected(call: Call, jobs: list[tuple], timeout: float
         return [run.result()] if single else run.result()
     except BackendUnavailable as exc:
         raise BackendLost(str(exc) or "The model replica serving this request went away; try again.") from None
+    except RequestConflict as exc:  # its own fields leave nothing to generate: the request's mistake
+        raise InvalidRequest(exc.message, exc.param) from None
 
 
 async def admit(admission, call: Call, requests: list[GenerationRequest]):
@@ -185,18 +187,50 @@ async def run_held_jobs(admission, call: Call, jobs: list[tuple], timeout: float
     return hold, results
 
 
-def stream_held(admission, call: Call, backend, requests, hold, k: int, format_deltas, final_chunks,
-                timeout: float | None) -> StreamingResponse:
+async def stream_held(admission, call: Call, backend, requests, hold, k: int, format_deltas, final_chunks,
+                      timeout: float | None) -> StreamingResponse:
     """The streamed answer of requests already admitted (`hold`): SSE chunks as the backend releases
-    tokens; the hold is given back, and the usage recorded, when the stream ends however it ends."""
+    tokens; the hold is given back, and the usage recorded, when the stream ends however it ends.
+
+    The status goes out with the first chunk, not before: until the first token is picked an error is
+    still the request's own status (an impossible constraint at the first token: 400, a lost replica:
+    503), not a 200 followed by an error event. A client that leaves meanwhile aborts the requests."""
     usage = {"completion": 0, "lost": False}
 
     def on_end(end, released, lost):
         usage["completion"] = sum(end.num_generated) if end is not None else released
         usage["lost"] = lost
 
+    def close():
+        release(admission, call, hold, requests, usage["completion"], usage["lost"])
+
     gen = stream_sse(backend, requests, k, call.request_id, format_deltas, final_chunks, timeout=timeout,
                      on_end=on_end)
-    return HeldStream(gen, lambda: release(admission, call, hold, requests, usage["completion"], usage["lost"]),
-                      media_type="text/event-stream",
+    first = asyncio.ensure_future(anext(gen))
+    watcher = asyncio.ensure_future(call.gone())
+    try:
+        await asyncio.wait({first, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not first.done():
+            first.cancel()
+            await asyncio.gather(first, return_exceptions=True)
+            raise ClientGone(usage["completion"])
+        head = first.result()  # the first chunk, or the error before it
+    except BaseException:
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        await gen.aclose()
+        close()
+        raise
+    finally:
+        watcher.cancel()
+
+    async def body():
+        try:
+            yield head
+            async for chunk in gen:
+                yield chunk
+        finally:  # however the response ends: the backend's stream is closed (aborting what still runs)
+            await gen.aclose()
+
+    return HeldStream(body(), close, media_type="text/event-stream",
                       headers={"cache-control": "no-cache", "x-accel-buffering": "no", **hold.headers})

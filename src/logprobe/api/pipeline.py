@@ -209,8 +209,8 @@ class Pipeline:
             format_deltas, final_chunks = endpoint.stream_formatters(checked.target, req, checked.prepared,
                                                                      checked.requests)
             hold = await admit(self.admission, call, checked.requests)
-            return stream_held(self.admission, call, checked.target, checked.requests, hold, req.params.logprobs or 0,
-                               format_deltas, final_chunks, self.request_timeout())
+            return await stream_held(self.admission, call, checked.target, checked.requests, hold,
+                                     req.params.logprobs or 0, format_deltas, final_chunks, self.request_timeout())
         answer = await self.run(checked, call)
         return with_headers(await body_response(answer.payload, answer.parts, endpoint.whole_vocab(req),
                                                 answer.outputs), answer.hold.headers)

@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator, Callable
 
 import orjson
 
-from ..backend import BackendUnavailable, Delta, GenerationRequest, StreamEnd
-from .errors import APIError, InternalError, Timeout, Unavailable, error_body
+from ..backend import BackendUnavailable, Delta, GenerationRequest, RequestConflict, StreamEnd
+from .errors import APIError, InternalError, InvalidRequest, Timeout, Unavailable, error_body
 
 log = logging.getLogger("logprobe.stream")
 DONE = b"data: [DONE]\n\n"
@@ -28,15 +28,16 @@ async def stream_sse(backend, requests: list[GenerationRequest], k: int, request
                      final_chunks: Callable[[StreamEnd], list[bytes]], timeout: float | None = None,
                      on_end: Callable[[StreamEnd | None, int, bool], None] | None = None) -> AsyncIterator[bytes]:
     """Run requests on the backend and yield SSE bytes: formatted deltas as they come, then
-    `final_chunks(end)` and `[DONE]`. A backend error becomes an error event (BackendUnavailable: 503's
-    envelope). If the client goes away (this generator is closed or cancelled) or the stream runs past
-    `timeout` seconds, the backend's stream is closed, which aborts the requests; a time-out ends with
-    an error event. `on_end(end or None, tokens released, lost)` is called once, however the stream ends
-    (`lost`: the backend lost the requests, BackendUnavailable)."""
+    `final_chunks(end)` and `[DONE]`. An error before the first chunk is raised as the APIError its status
+    says (api_error_of: the handler answers it; holding.stream_held waits for the first chunk before it
+    sends a status); after it, it is sent as an error event. If the client goes away (this generator is
+    closed or cancelled) or the stream runs past `timeout` seconds, the backend's stream is closed, which
+    aborts the requests. `on_end(end or None, tokens released, lost)` is called once, however the stream
+    ends (`lost`: the backend lost the requests, BackendUnavailable)."""
     loop = asyncio.get_running_loop()
     deadline = None if timeout is None else loop.time() + timeout
     events = backend.stream(requests, k)
-    end, released, lost = None, 0, False
+    end, released, lost, sent = None, 0, False, False
     try:
         while True:
             left = None if deadline is None else max(0.0, deadline - loop.time())
@@ -52,21 +53,32 @@ async def stream_sse(backend, requests: list[GenerationRequest], k: int, request
                 continue
             released += sum(len(d.token_ids) for d in event)
             for chunk in format_deltas(event):
+                sent = True
                 yield chunk
         for chunk in final_chunks(end):
+            sent = True
             yield chunk
-    except APIError as exc:
-        yield b"data: " + error_body(exc.message, exc.type, exc.param, exc.code, request_id) + b"\n\n"
-    except BackendUnavailable as exc:
-        lost = True
-        err = Unavailable(str(exc) or "The model replica serving this request went away; try again.")
-        yield b"data: " + error_body(err.message, err.type, err.param, err.code, request_id) + b"\n\n"
-    except Exception:
-        log.exception("stream failed (%s)", request_id)
-        err = InternalError("The server had an error while processing your request.")
+    except Exception as exc:
+        lost = isinstance(exc, BackendUnavailable)
+        err = api_error_of(exc, request_id)
+        if not sent:
+            raise err from None
         yield b"data: " + error_body(err.message, err.type, err.param, err.code, request_id) + b"\n\n"
     finally:
         await events.aclose()
         if on_end is not None:
             on_end(end, released, lost)
     yield DONE
+
+
+def api_error_of(exc: Exception, request_id: str) -> APIError:
+    """The envelope's error for a backend's failure: a request whose own fields leave nothing to generate
+    (RequestConflict) is a 400; a lost replica 503; anything else 500, without internals."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, RequestConflict):
+        return InvalidRequest(exc.message, exc.param)
+    if isinstance(exc, BackendUnavailable):
+        return Unavailable(str(exc) or "The model replica serving this request went away; try again.")
+    log.error("stream failed (%s)", request_id, exc_info=exc)
+    return InternalError("The server had an error while processing your request.")

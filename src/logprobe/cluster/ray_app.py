@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 from ray import serve
 
-from ..backend import GenerationRequest
+from ..backend import GenerationRequest, RequestConflict
 from ..config import LOG_FORMAT, Settings, build_parser, settings_from_args
 from .ray_backend import REPORT_EVERY_S, RayBackend, Refusal
 from .state import ClusterState, SharedAdmission
@@ -170,6 +170,8 @@ class ModelReplica:
             return refusal
         try:
             return await self.engine.run(requests)
+        except RequestConflict as exc:  # the request's own fields disagree: its 400, carried back as data
+            return conflict_refusal(exc)
         finally:
             self.admission.release(hold, used=0)
 
@@ -182,9 +184,18 @@ class ModelReplica:
         try:
             async for event in events:
                 yield event
+        except RequestConflict as exc:
+            yield conflict_refusal(exc)
         finally:
             await events.aclose()
             self.admission.release(hold, used=0)
+
+
+def conflict_refusal(exc: RequestConflict) -> Refusal:
+    """A request whose own fields leave nothing to generate, as the 400 the ingress answers."""
+    from ..api.errors import InvalidRequest
+
+    return Refusal(InvalidRequest(exc.message, exc.param))
 
 
 # ---- the ingress ------------------------------------------------------------------------------------

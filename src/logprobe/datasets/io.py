@@ -48,13 +48,18 @@ class Prepared:
         return len(self.item.prepared[0].token_ids) if self.item is not None else 0
 
 
+# the README installs logprobe from a checkout, where `pip install 'logprobe[data]'` finds no such package
+DATA_EXTRA = ("in your checkout of logprobe, pip install -e '.[data]' (installed from a package index: "
+              "pip install 'logprobe[data]')")
+
+
 def require_data_extra():
     """pyarrow and tqdm come with the `data` extra; say how to get them when they are missing."""
     try:
         import pyarrow  # noqa: F401
         import tqdm  # noqa: F401
     except ImportError as exc:
-        raise DatasetError(f"scoring datasets needs {exc.name}: pip install 'logprobe[data]'") from None
+        raise DatasetError(f"scoring datasets needs {exc.name}: {DATA_EXTRA}") from None
 
 
 def format_of(path: str) -> str:
@@ -75,6 +80,8 @@ def read_rows(path: str, column: str = "text", context_column: str | None = None
             raise DatasetError(f"{path}: a .txt file is one text a line; it has no columns to name")
         return [Row(i, str(i), text) for i, text in enumerate(_read_text_lines(path))]
     table = _read_table(path, kind)
+    if not table:  # no row, so no column either: say so, not "no column 'text'"
+        raise DatasetError(f"{path}: the file is empty: there are no rows to score")
     return rows_of_columns(table, column or "text", context_column, id_column, where=path)
 
 

@@ -117,6 +117,8 @@ def check_block(table, start: int, names: dict, where: str):
     """(problem, columns): problem (rank, row, message) for the block's first problem or None; columns
     the block's text, context and id cells by role. Ranks order problems as io.rows_of_columns meets them."""
     columns = {}
+    if not table.column_names:  # an empty file (no row, so no column): as io.read_rows says it
+        return (0, start, f"{where}: the file is empty: there are no rows to score"), None
     for rank, (flag, role) in enumerate(FLAGS):
         name = names[role]
         if name is not None and name not in table.column_names:

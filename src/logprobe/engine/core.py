@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from ..backend import ModelInfo, RequestAborted
+from ..backend import ModelInfo, RequestAborted, RequestConflict
 from ..tokens import TokenTable
 from .host.captures import capture_finished
 from .contract import Runner
@@ -329,9 +329,13 @@ class EngineCore:
     # ---- failures ----------------------------------------------------------------------------
     def _per_request(self, group: SequenceGroup, work, *args) -> None:
         """Per-request work after a shared pass (recording tokens, instruments, stops, callbacks): a
-        failure fails this request only."""
+        failure fails this request only. A request whose own fields leave nothing to draw (RequestConflict)
+        fails with that error, and is no failure of the engine's (not in /health)."""
         try:
             work(group, *args)
+        except RequestConflict as exc:  # the request's own fields disagree: its error, not the engine's
+            log.info("request %s refused: %s", group.request_id, exc.message)
+            self._fail(group, exc)
         except Exception as exc:
             log.exception("request %s failed", group.request_id)
             self.health_state.request_failed(exc)

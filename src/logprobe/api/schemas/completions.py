@@ -13,8 +13,8 @@ from .. import validation as v
 from ..errors import InvalidRequest
 from .base import DEFAULT_LIMITS as _L, Cap, Neutral, RequestModel, Unbounded, check, parses
 from .constraints import ConstraintFields, ResponseFormatField, StructuredOutputsField
-from .sampling import (N, AllowedTokenIds, BadWords, Interventions, Lens, LogitBias, LogprobsMode, LogprobTokenIds,
-    PositionStats, PromptLogprobs, ResidualStream, ReturnUnmodified, SamplingFields, Seed, Stop, Stream,
+from .sampling import (N, AllowedTokenIds, BadWords, IgnoreEos, Interventions, Lens, LogitBias, LogprobsMode,
+    LogprobTokenIds, MinTokens, PositionStats, PromptLogprobs, ResidualStream, ReturnUnmodified, SamplingFields, Seed, Stop, Stream,
     StreamOptionsField, Temperature, TokensAsIds, TopK, TopLogprobsP, TopP, User, VocabEncoding)
 
 Prompt = Union[str, list[str], list[int], list[list[int]]]
@@ -103,6 +103,8 @@ class CompletionBody(SamplingFields, ConstraintFields):
     return_unmodified: ReturnUnmodified
     allowed_token_ids: AllowedTokenIds
     bad_words: BadWords
+    min_tokens: MinTokens
+    ignore_eos: IgnoreEos
     response_format: ResponseFormatField  # an extension here: OpenAI's completions have no response_format
     structured_outputs: StructuredOutputsField
 
@@ -185,6 +187,8 @@ class ChatBody(SamplingFields, ConstraintFields):
     return_unmodified: ReturnUnmodified
     allowed_token_ids: AllowedTokenIds
     bad_words: BadWords
+    min_tokens: MinTokens
+    ignore_eos: IgnoreEos
     structured_outputs: StructuredOutputsField
 
     @parses("messages")
@@ -217,6 +221,12 @@ class ChatBody(SamplingFields, ConstraintFields):
                 raise InvalidRequest(f"Invalid type for '{where}.content': expected a string.", "messages")
             out.append({"role": role, "content": content})
         return out
+
+    @property
+    def max_tokens_given(self) -> tuple[int | None, str]:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
 
     @check
     def check_top_logprobs(self, limits: Limits) -> None:

@@ -12,6 +12,7 @@ them without a word, and a constraint that silently does nothing is the worst an
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Annotated, Any, Literal, Union
 
 import llguidance
@@ -251,8 +252,10 @@ class ConstraintFields(RequestModel):
 
     @property
     def constraint(self) -> Constraint | None:
-        """The request's constraint (after `parse`), or None."""
-        return self.response_format if self.response_format is not None else self.structured_outputs
+        """The request's constraint (after `parse`), or None; it knows which field it came from (messages)."""
+        if self.response_format is not None:
+            return replace(self.response_format, param="response_format")
+        return self.structured_outputs
 
     @property
     def constraint_param(self) -> str:

@@ -142,6 +142,13 @@ BadWords = Annotated[list[str] | None, Field(None, max_length=_L.max_bad_words, 
     "vLLM extension: words never generated. Each is tokenized with and without a leading space; a token that "
     "would complete one after its other tokens is not drawn. Cap: --max-bad-words."))]
 
+MinTokens = Annotated[int | None, Field(0, ge=0, description=(
+    "vLLM extension: no stop token or stop string ends a choice before it has this many tokens (the stop tokens "
+    "are masked until then). At most max_tokens."))]
+IgnoreEos = Annotated[bool | None, Field(False, description=(
+    "vLLM extension: generation goes on past the end-of-sequence tokens until max_tokens (stop strings still "
+    "apply)."))]
+
 STREAMED_INSTRUMENTS = ("logprob_token_ids", "position_stats", "top_logprobs_p")
 
 
@@ -347,6 +354,18 @@ class SamplingFields(RequestModel):
             raise InvalidRequest("'return_unmodified' does not work with 'stream': true (it is computed when a "
                                  "choice is done). Send the request without streaming.", "return_unmodified")
 
+    @check
+    def check_min_tokens(self, limits: Limits) -> None:
+        max_tokens, name = self.max_tokens_given
+        if max_tokens is not None and self.min_tokens > max_tokens:
+            raise InvalidRequest(f"Invalid value for 'min_tokens': {self.min_tokens} is more than '{name}' "
+                                 f"({max_tokens}); 'min_tokens' must be at most '{name}'.", "min_tokens")
+
+    @property
+    def max_tokens_given(self) -> tuple[int | None, str]:
+        """(the request's max_tokens, the field's name); None where it is left to the context (chat)."""
+        return self.max_tokens, "max_tokens"
+
     # ---- the hand-off to the engine ----
 
     @property
@@ -376,6 +395,10 @@ class SamplingFields(RequestModel):
             out["logit_bias"] = self.logit_bias
         if self.allowed_token_ids is not None:
             out["allowed_token_ids"] = self.allowed_token_ids
+        if self.min_tokens:
+            out["min_tokens"] = self.min_tokens
+        if self.ignore_eos:
+            out["ignore_eos"] = True
         if getattr(self, "constraint", None) is not None:  # bodies with ConstraintFields (constraints.py)
             out["constraint"] = self.constraint
         return out

@@ -22,13 +22,28 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ...backend import SamplingParams
+from ...backend import RequestConflict, SamplingParams
 from .sampler import BatchSettings, filtered_scores, to_device
 
 
-class NoAllowedToken(RuntimeError):
-    """Every token of the vocabulary is masked at a position (allowed_token_ids, bad_words and the
-    grammar leave nothing): nothing can be drawn, so the choice cannot go on."""
+class NoAllowedToken(RequestConflict):
+    """Every token of the vocabulary is masked at a position (allowed_token_ids, bad_words, the grammar
+    and min_tokens leave nothing): nothing can be drawn, so the request cannot go on. The request's own
+    fields disagree: a 400 naming them (docs/api.md, 2.5), never an engine failure."""
+
+
+def conflict_at(params: SamplingParams, num_generated: int) -> NoAllowedToken:
+    """The error of a request whose masks leave no token for its token `num_generated` + 1, naming the
+    fields in force there as the request's body names them."""
+    fields = [params.constraint.param] if params.constraint is not None else []
+    fields += ["allowed_token_ids"] if params.allowed_token_ids is not None else []
+    fields += ["bad_words"] if params.bad_words_ids else []
+    fields += ["min_tokens"] if num_generated < params.min_tokens else []
+    quoted = [f"'{f}'" for f in fields] or ["the request's steering"]
+    named = f"{quoted[0]} allows" if len(quoted) == 1 else f"{', '.join(quoted[:-1])} and {quoted[-1]} together allow"
+    return NoAllowedToken(
+        f"Invalid request: {named} no token at generated token {num_generated + 1}, so nothing can be generated "
+        "there. Change them so that some token satisfies all of them at every step.", fields[0] if fields else None)
 
 
 class Steering:
@@ -54,14 +69,17 @@ class Steering:
         self.static_allowed = allowed  # [V] bool or None
         self.sequences = [tuple(w) for w in params.bad_words_ids if len(w) > 1]
         self.stop_ids = [t for t in params.stop_token_ids if 0 <= t < vocab]
+        self.params = params
 
     def row_mask(self, token_ids: list[int], grammar_allowed: np.ndarray | None = None,
                  grammar_accepting: bool = False) -> np.ndarray | None:
         """[V] bool: the tokens a sequence that generated `token_ids` may draw next (None: every one).
         A grammar that is complete and allows nothing but the end (or nothing at all) allows the stop
-        tokens alone: the choice then ends with "stop"."""
+        tokens alone: the choice then ends with "stop". Before `min_tokens` tokens, no stop token (vLLM)."""
         blocked = [w[-1] for w in self.sequences
                    if len(token_ids) >= len(w) - 1 and tuple(token_ids[len(token_ids) - len(w) + 1:]) == w[:-1]]
+        if len(token_ids) < self.params.min_tokens:
+            blocked += self.stop_ids
         if grammar_allowed is None and not blocked:
             return self.static_allowed
         mask = np.ones(self.vocab, dtype=bool) if self.static_allowed is None else self.static_allowed.copy()
@@ -91,8 +109,7 @@ class Steering:
         out = np.stack([np.ones(self.vocab, dtype=bool) if m is None else m for m in rows])
         empty = ~out.any(axis=1)
         if empty.any():
-            raise NoAllowedToken("no token may follow: allowed_token_ids, bad_words and the constraint together "
-                                 f"exclude every token of the vocabulary (row {int(np.flatnonzero(empty)[0])})")
+            raise conflict_at(self.params, len(rows_token_ids[int(np.flatnonzero(empty)[0])]))
         return out
 
     def scores(self, raw_rows: torch.Tensor, masks: np.ndarray | torch.Tensor | None) -> torch.Tensor:

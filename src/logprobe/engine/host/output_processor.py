@@ -64,14 +64,18 @@ class OutputProcessor:
             seq.finish_reason = FinishReason.LENGTH
 
     def check_stop(self, seq: SequenceState, group: SequenceGroup) -> None:
-        """Add the sequence's new token to its text, and finish it where a stop rule says."""
+        """Add the sequence's new token to its text, and finish it where a stop rule says. As vLLM:
+        `ignore_eos` turns the stop tokens off (stop strings still apply), and nothing but the length ends
+        a choice within its first `min_tokens` tokens (its stop tokens are masked there, steering.py; a stop
+        string counts from the next token on, where it ends in that token's text)."""
         params = group.params
         token = seq.token_ids[-1]
         before = seq.text.length
         seq.text.add(token)
-        if token in params.stop_token_ids:
+        may_stop = len(seq.token_ids) > params.min_tokens
+        if token in params.stop_token_ids and not params.ignore_eos and may_stop:
             seq.finish_reason = FinishReason.STOP
-        elif params.stop and cut_at_stop(seq, params.stop, before):
+        elif params.stop and may_stop and cut_at_stop(seq, params.stop, before):
             seq.finish_reason = FinishReason.STOP
         elif len(seq.token_ids) >= params.max_tokens:
             seq.finish_reason = FinishReason.LENGTH
