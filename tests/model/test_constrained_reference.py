@@ -2,7 +2,8 @@
 digits regex and a small JSON schema, every generated position's raw numbers are the reference's, its
 processed numbers are the reference renormalised over the allowed set, and `constraint_logprobs` is
 log Σ of the reference over that set, where the allowed set is computed here from the tokens' bytes
-alone (which tokens keep the text a prefix of a valid text, or inside [0-9]*). 200 seeded samples
+alone (which tokens keep the text a prefix of a valid text, or inside [0-9]*; under a choice list,
+decided before generation, the drawn answer's next token). 200 seeded samples
 under the schema validate with jsonschema, and their first tokens follow the processed distribution.
 /v1/score under a constraint: each position's allowed mass and constrained log probability."""
 
@@ -114,6 +115,21 @@ def check_choice(engine, reference, prompt_ids, choice, allowed_of, k):
     return gen
 
 
+def answer_allowed(engine, answer: str):
+    """A decided choice (test_choice_decision.py) spells its answer's tokens: the allowed set is the
+    answer's next token, and once it is spelled the stop tokens."""
+    ids = engine.tokenizer(answer, add_special_tokens=False).input_ids
+    spelled = [b"".join(engine.table.text_bytes(t) for t in ids[:i]) for i in range(len(ids) + 1)]
+
+    def allowed_of(text: bytes) -> np.ndarray:
+        at = spelled.index(text)
+        out = np.zeros(engine.info.vocab_size, dtype=bool)
+        out[[ids[at]] if at < len(ids) else list(stop_ids(engine))] = True
+        return out
+
+    return allowed_of
+
+
 @pytest.mark.parametrize("seed", [1, 2, 3, 4])
 def test_choice_list_against_reference(client, reference, tiny_engine, seed):
     prompt = "Answer:"
@@ -121,8 +137,9 @@ def test_choice_list_against_reference(client, reference, tiny_engine, seed):
     out = post(client, prompt=prompt, max_tokens=8, logprobs=5, logprobs_mode="both", seed=seed,
                structured_outputs={"choice": CHOICES}, return_tokens_as_token_ids=True)
     choice = out["choices"][0]
-    assert constrained_text(tiny_engine, choice) in CHOICES and choice["finish_reason"] == "stop"
-    check_choice(tiny_engine, reference, prompt_ids, choice, lambda text: prefix_allowed(tiny_engine, CHOICES, text), 5)
+    text = constrained_text(tiny_engine, choice)
+    assert text in CHOICES and choice["finish_reason"] == "stop"
+    check_choice(tiny_engine, reference, prompt_ids, choice, answer_allowed(tiny_engine, text), 5)
 
 
 @pytest.mark.parametrize("seed", [5, 6])
@@ -136,15 +153,14 @@ def test_digits_regex_against_reference(client, reference, tiny_engine, seed):
 
 
 def test_greedy_takes_the_likeliest_allowed_token(client, reference, tiny_engine):
-    prompt = "Answer:"
-    prompt_ids = tiny_engine.tokenizer(prompt).input_ids
-    out = post(client, prompt=prompt, max_tokens=8, temperature=0, logprobs=1,
-               structured_outputs={"choice": CHOICES}, return_tokens_as_token_ids=True)
+    prompt_ids = [5, 17, 300, 4242]
+    out = post(client, prompt=prompt_ids, max_tokens=5, temperature=0, logprobs=1,
+               structured_outputs={"regex": "[0-9]*"}, return_tokens_as_token_ids=True)
     gen = [tid(t) for t in out["choices"][0]["logprobs"]["tokens"]]
     ref = reference.logprobs(prompt_ids + gen).numpy()
     text = b""
     for i, token in enumerate(gen):
-        row = np.where(prefix_allowed(tiny_engine, CHOICES, text), ref[len(prompt_ids) - 1 + i], -np.inf)
+        row = np.where(digits_allowed(tiny_engine, text), ref[len(prompt_ids) - 1 + i], -np.inf)
         assert row[token] >= row.max() - TOL
         text += tiny_engine.table.text_bytes(token)
 

@@ -18,6 +18,7 @@ from starlette.responses import Response, StreamingResponse
 
 from ..backend import GenerationRequest
 from ..config import Limits
+from . import choice_decision
 from .errors import InvalidRequest, ModelNotFound, RequestTooLarge
 from .holding import admit, run_held_jobs, stream_held
 from .output_blocks import iter_body
@@ -177,6 +178,7 @@ async def prepare(request: Request, endpoint: Endpoint, body: dict):
     prepared = await run_in_threadpool(endpoint.tokenize, target, req)  # long texts: off the event loop
     endpoint.check_caps(target, req, prepared, limits)
     requests = endpoint.build_requests(target, req, prepared, request.state.request_id)
+    requests = await choice_decision.decided(request, target, requests)  # a choice list: its answer first
     return req, target, prepared, requests
 
 

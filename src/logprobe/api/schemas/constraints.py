@@ -249,6 +249,16 @@ class ConstraintFields(RequestModel):
     def check_one_constraint(self, limits) -> None:
         one_constraint(self.response_format, self.structured_outputs)
 
+    @check
+    def check_choice_without_bias(self, limits) -> None:
+        """A choice list is decided by each answer's whole log probability (api/choice_decision.py), not
+        token by token: a bias on single tokens has nothing to apply to there."""
+        choice = self.structured_outputs is not None and self.structured_outputs.kind == "choice"
+        if choice and getattr(self, "logit_bias", None):
+            raise InvalidRequest("'logit_bias' cannot be used with 'structured_outputs.choice': the answer is decided "
+                                 "by each choice's own log probability as the model gives it, not token by token. "
+                                 "Leave out one of the two.", "logit_bias")
+
     @property
     def constraint(self) -> Constraint | None:
         """The request's constraint (after `parse`), or None."""

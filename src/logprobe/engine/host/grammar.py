@@ -27,6 +27,7 @@ import numpy as np
 
 from ...backend import Constraint
 from ...tokens import TokenTable
+from .forced import ForcedTokens
 
 KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 CACHE_SIZE = 256  # compiled grammars kept (least recently used dropped first)
@@ -277,10 +278,13 @@ class GrammarState:
         return self._matcher.is_stopped()
 
 
-def new_state(constraint: Constraint, model) -> GrammarState:
+def new_state(constraint: Constraint, model) -> GrammarState | ForcedTokens:
     """A sequence's state at the start of its text (the compile is cached). `model`: a GrammarVocab, or
-    what `vocab_of_model` takes (the engine)."""
+    what `vocab_of_model` takes (the engine). A "tokens" constraint (one sequence of a decided choice,
+    forced.py) spells its tokens: no grammar to compile."""
     vocab = model if isinstance(model, GrammarVocab) else vocab_of_model(model)
+    if constraint.kind == "tokens":
+        return ForcedTokens(json.loads(constraint.source), vocab.vocab_size, vocab.stop_ids)
     return GrammarState(grammar_for(constraint, vocab))
 
 
