@@ -5,7 +5,7 @@ The API scores every answer after the prompt, draws one per sequence, and hands 
 `Constraint("chosen", ...)`: the answers, their tokens and log probabilities, and which answer each
 sequence (by its index) spells. Each sequence's state is then a `ForcedTokens`: the allowed set at each
 position is the drawn answer's next token, and once it is spelled the stop tokens. It has what the
-engine asks of a `GrammarState` (`allowed`, `allowed_into`, `advance`, `is_accepting`). No torch, no
+engine asks of a `GrammarState` (`allowed`, `allowed_into`, `sets`, `advance`, `is_accepting`). No torch, no
 llguidance here.
 """
 
@@ -73,6 +73,9 @@ class ForcedTokens:
             out[self.tokens[self.at]] = True
         else:
             out[self.stop_ids] = True
+
+    def sets(self) -> tuple[np.ndarray, None]:
+        return self.allowed(), None
 
     def advance(self, token: int) -> None:
         token = int(token)
