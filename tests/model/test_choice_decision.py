@@ -13,6 +13,8 @@ import math
 import numpy as np
 import pytest
 
+from test_prefix_cache_requests import counting
+
 TOL = 1e-5
 MODEL = "tiny"
 # " no" and " yes" share their first byte, "maybe so" is two tokens, "no" has no space
@@ -141,14 +143,7 @@ def test_the_prompt_runs_once_for_every_answer(client, tiny_engine, monkeypatch)
     """A 40-token prompt and four answers: the tokens run through the blocks are the prompt once, the
     answers (one pass, right-padded to the longest), and the generation's: the prompt past its whole
     blocks, found in the prefix cache, and one token a step after the first."""
-    passes = []
-    forward = tiny_engine.runner.forward
-
-    def counted(ids, meta, **kwargs):
-        passes.append(ids.numel())
-        return forward(ids, meta, **kwargs)
-
-    monkeypatch.setattr(tiny_engine.runner, "forward", counted)
+    passes = counting(tiny_engine, monkeypatch)
     prompt = " ".join(["counting"] * 39)
     prompt_ids = tiny_engine.tokenizer(prompt).input_ids
     assert len(prompt_ids) == 40
