@@ -187,3 +187,18 @@ def test_allowed_and_bad_words_leave_answers_out(client, reference, tiny_engine)
     out = post(client, prompt="Answer:", max_tokens=4, temperature=0, structured_outputs={"choice": CHOICES},
                allowed_token_ids=allowed)
     assert out["choices"][0]["text"] == order[2]
+
+
+def test_max_tokens_cuts_the_answer_short(client, reference, tiny_engine):
+    """The answer is decided whole; `max_tokens` then cuts what is spelled ("length")."""
+    prompt_ids = tiny_engine.tokenizer("Answer:").input_ids
+    choices = ["maybe so", "perhaps not at all"]
+    expected = reference_answers(tiny_engine, reference, prompt_ids, choices)
+    out = post(client, prompt="Answer:", max_tokens=1, temperature=0, logprobs=0, echo=True,
+               structured_outputs={"choice": choices}, return_tokens_as_token_ids=True)
+    choice = out["choices"][0]
+    best = choices[int(np.argmax(expected))]
+    assert choice["finish_reason"] == "length"
+    assert choice["text"] == "Answer:" + tiny_engine.tokenizer.decode(answer_ids(tiny_engine, best)[:1])
+    assert [tid(t) for t in choice["logprobs"]["tokens"]] == prompt_ids + answer_ids(tiny_engine, best)[:1]
+    check_block(tiny_engine, choice["choice_logprobs"], expected, choices)
