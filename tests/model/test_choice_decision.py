@@ -156,6 +156,7 @@ def test_the_prompt_runs_once_for_every_answer(client, tiny_engine, monkeypatch)
 
 @pytest.mark.parametrize("body, param, words", [
     ({"logit_bias": {"330": 5}}, "logit_bias", ["logit_bias", "structured_outputs.choice"]),
+    ({"interventions": [{"layer": 1, "op": "zero"}]}, "interventions", ["interventions", "structured_outputs.choice"]),
     ({"allowed_token_ids": [330]}, "structured_outputs.choice", ["allowed_token_ids", "structured_outputs.choice"]),
     ({"bad_words": [" yes", " no", "maybe", "no"]}, "structured_outputs.choice",
      ["bad_words", "structured_outputs.choice"]),
