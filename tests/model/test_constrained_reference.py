@@ -268,3 +268,23 @@ def test_score_under_a_constraint(client, reference, tiny_engine, context):
 def test_score_prefix_is_not_complete(client):
     out = post(client, path="/v1/score", input='{"answer":"ye', structured_outputs={"json": SCHEMA})
     assert out["data"][0]["constraint"]["is_complete"] is False
+
+
+def test_a_banned_spelling_of_a_forced_text_falls_back_to_the_others(client, reference, tiny_engine):
+    """`bad_words` bans the tokenizer's first token of the forced `{"answer":"`: the draw takes the other
+    tokens that keep the text inside, and the numbers are those of that set less the banned token."""
+    forced = tiny_engine.tokenizer('{"answer":"', add_special_tokens=False).input_ids
+    banned = tiny_engine.table.token_bytes[forced[0]].decode()
+    prompt_ids = tiny_engine.tokenizer("JSON:").input_ids
+    out = post(client, prompt="JSON:", max_tokens=20, seed=3, logprobs=2, logprobs_mode="both",
+               structured_outputs={"json": SCHEMA}, bad_words=[banned], return_tokens_as_token_ids=True)
+    choice = out["choices"][0]
+    assert choice["text"] in SCHEMA_TEXTS
+    first = tid(choice["logprobs"]["tokens"][0])
+    assert first != forced[0]
+    allowed = prefix_allowed(tiny_engine, SCHEMA_TEXTS, b"")
+    allowed[forced[0]] = False
+    row = reference.logprobs(prompt_ids).numpy()[-1]
+    assert allowed[first]
+    assert abs(choice["constraint_logprobs"][0] - logsumexp(row[allowed])) < TOL
+    assert abs(choice["processed_logprobs"]["token_logprobs"][0] - (row[first] - logsumexp(row[allowed]))) < TOL

@@ -11,7 +11,9 @@ log_softmax in float32):
                and what `logprobs_mode: processed` reports (a greedy row: a point mass, as unsteered)
 
 and, where a mask is in force, `constraint_logprob = logsumexp(raw[allowed])`: how much of the model's
-probability the mask kept (exactly 0 at a position where it allowed every token).
+probability the mask kept (exactly 0 at a position where it allowed every token). Where a grammar forces
+a text, the draw's mask holds the tokenizer's spelling of it alone while `allowed` holds every spelling
+the grammar accepts (`steering_of`).
 
 Only steered requests come here (instruments.pick_with_instruments picks their rows on their own), so
 a plain row is drawn by sampler.pick exactly as when no steered request runs beside it.
