@@ -45,7 +45,9 @@ class Constraint:
     """A grammar the generated text must follow (docs/api.md: response_format, structured_outputs), as the
     API checked it."""
 
-    kind: str  # "json_object" | "json_schema" | "regex" | "choice" | "grammar" (Lark)
+    # "json_object" | "json_schema" | "regex" | "choice" | "grammar" (Lark); the engine also reads "chosen"
+    # (a choice list decided before generation, engine/host/forced.py) and "tokens" (one sequence of it)
+    kind: str
     source: str  # the schema as canonical JSON text, the regex, the choices as a JSON array text, the grammar
     # the body's field it came from, for messages only (not part of the grammar: compiled once for both)
     param: str = field(default="structured_outputs", compare=False)

@@ -19,8 +19,10 @@ from logprobe.config import BatchSettings, Limits
 
 PATHS = ["/v1/completions", "/v1/chat/completions"]
 YES, NO = 9805, 787  # " yes" and " no", one token each in SmolLM2's tokenizer
-FIRST = {"structured_outputs": {"choice": [" yes"]}, "allowed_token_ids": [330]}  # " A": no token at all
-LATER = {"structured_outputs": {"choice": [" yes no"]}, "allowed_token_ids": [YES]}  # " yes", then nothing
+# a regex, not a choice list: a choice is decided whole before generation (api/choice_decision.py), so a
+# choice no allowed token spells is refused before anything runs (test_a_choice_nothing_can_spell_...)
+FIRST = {"structured_outputs": {"regex": " yes"}, "allowed_token_ids": [330]}  # " A": no token at all
+LATER = {"structured_outputs": {"regex": " yes no"}, "allowed_token_ids": [YES]}  # " yes", then nothing
 AT_FIRST = "'structured_outputs' and 'allowed_token_ids' together allow no token at generated token 1"
 AT_SECOND = "'structured_outputs' and 'allowed_token_ids' together allow no token at generated token 2"
 
@@ -78,13 +80,25 @@ def test_the_message_names_the_fields_the_body_used(client):
                                                                  allowed_token_ids=[330])),
             "'response_format' and 'allowed_token_ids' together allow no token at generated token 1",
             "response_format")
-    # the choice is complete after " yes": only the end may follow, and min_tokens masks it
-    refused(client.post("/v1/completions", json=body_for("/v1/completions", structured_outputs={"choice": [" yes"]},
+    # the regex is complete after " yes": only the end may follow, and min_tokens masks it
+    refused(client.post("/v1/completions", json=body_for("/v1/completions", structured_outputs={"regex": " yes"},
                                                          allowed_token_ids=[YES], min_tokens=2)),
             "'structured_outputs', 'allowed_token_ids' and 'min_tokens' together allow no token at generated token 2")
     refused(client.post("/v1/completions", json=body_for("/v1/completions", allowed_token_ids=[YES],
                                                          bad_words=[" yes yes"])),
             "'allowed_token_ids' and 'bad_words' together allow no token at generated token 2", "allowed_token_ids")
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_choice_nothing_can_spell_is_a_400_before_anything_runs(client, path, stream):
+    """A choice list is decided whole; when every answer spells a token the request rules out, the 400
+    names the choice and the field that rules it out."""
+    before = health(client)
+    body = body_for(path, stream=stream, structured_outputs={"choice": [" yes", " yes no"]}, allowed_token_ids=[330])
+    refused(client.post(path, json=body), "every choice in 'structured_outputs.choice' spells a token that "
+            "'allowed_token_ids' rules out", "structured_outputs.choice")
+    assert health(client) == before
 
 
 @pytest.mark.parametrize("path", PATHS)

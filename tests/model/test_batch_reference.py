@@ -42,9 +42,13 @@ BODIES = {
     "/v1/completions": [{"model": "tiny", "prompt": t, "max_tokens": 3, "temperature": 0, "logprobs": 2,
                          "echo": True} for t in TEXTS]
     + [{"model": "tiny", "prompt": "Hello there", "max_tokens": 4, "seed": 7, "n": 2, "logprobs": 1,
-        "prompt_logprobs": 2}],
+        "prompt_logprobs": 2},
+       {"model": "tiny", "prompt": "Is it? Answer:", "max_tokens": 4, "seed": 3, "n": 3, "logprobs": 1,
+        "structured_outputs": {"choice": [" yes", " no", "maybe so"]}}],
     "/v1/chat/completions": [{"model": "tiny", "messages": [{"role": "user", "content": t}], "max_tokens": 3,
-                              "temperature": 0, "logprobs": True, "top_logprobs": 2} for t in TEXTS],
+                              "temperature": 0, "logprobs": True, "top_logprobs": 2} for t in TEXTS]
+    + [{"model": "tiny", "messages": [{"role": "user", "content": "Is it?"}], "max_tokens": 4, "temperature": 0,
+        "structured_outputs": {"choice": [" yes", " no"]}}],
     "/v1/compare": [{"models": ["tiny", "tiny-b"], "input": t} for t in TEXTS],
 }
 

@@ -303,6 +303,9 @@ class DigitGrammar:
             return out
         return self.digits.copy()
 
+    def sets(self) -> tuple[np.ndarray, None]:
+        return self.allowed(), None  # every allowed token may be drawn
+
     def advance(self, token: int) -> None:
         if not self.allowed()[token]:
             raise ValueError(f"token {token} is not allowed")

@@ -5,6 +5,7 @@ the text a prefix of a choice; which keep it inside [0-9]*)."""
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -77,6 +78,34 @@ def test_choice_allowed_sets_follow_the_prefixes(table, vocab, tokenizer, pieces
     np.testing.assert_array_equal(state.allowed(), expected_for_choices(table, raw, text))
     assert state.is_accepting and state.is_finished
     assert np.flatnonzero(state.allowed()).tolist() == [STOP]
+
+
+@pytest.mark.parametrize("pieces", [None, ["ma", "y", "b", "e", " n", "o", "t"], ["m", "ay", "be", " not"]])
+def test_drawn_sets_keep_to_the_tokenizers_spelling_of_a_forced_text(table, vocab, tokenizer, pieces):
+    """`sets()`: the allowed set as above, and where the grammar forces a text, the one token a
+    generation may draw: the first of the tokenizer's own spelling of that text, encoded on its own
+    ("be" after "may", not "b"); None (every allowed token) elsewhere, and where llguidance has no
+    spelling of the forced text yet (" " after "maybe")."""
+    choices = ["yes", "no", "maybe so", "maybe not"]
+    raw = [c.encode() for c in choices]
+    state = grammar.new_state(Constraint("choice", json.dumps(choices)), vocab)
+    text, narrowed = b"", []
+    path = (tokenizer("maybe not", add_special_tokens=False).input_ids if pieces is None
+            else [token_id(table, p) for p in pieces])
+    for token in path:
+        allowed, drawn = state.sets()
+        np.testing.assert_array_equal(allowed, expected_for_choices(table, raw, text))
+        if drawn is not None:
+            forced = os.path.commonprefix([c[len(text):] for c in raw if c.startswith(text)])
+            first = tokenizer(forced.decode(), add_special_tokens=False).input_ids[0]
+            assert forced and np.flatnonzero(drawn).tolist() == [first] and allowed.sum() > 1, text
+            narrowed.append(text)
+        state.advance(token)
+        text += table.token_bytes[token]
+    passes_may = b"may" in [b"".join(table.token_bytes[t] for t in path[:i]) for i in range(len(path))]
+    assert (b"may" in narrowed) == passes_may  # "be" alone, where "b" keeps the text inside too
+    allowed, drawn = state.sets()
+    assert np.flatnonzero(allowed).tolist() == [STOP] and drawn is None
 
 
 def test_digits_allowed_sets(table, vocab, tokenizer):

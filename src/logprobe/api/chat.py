@@ -19,6 +19,7 @@ from ..config import Limits
 from ..backend import GenerationOutput, GenerationRequest, SamplingParams
 from ..output.instruments import chat_tops_with_token
 from ..output.logprobs import TokenNamer, chat_logprobs_content, wire_floats
+from . import choice_decision
 from .caps import check_request_caps, check_text_length
 from .errors import InvalidRequest
 from .interventions import checked_interventions
@@ -149,6 +150,7 @@ def format_response(backend, req: ChatRequest, ids: list[int], requests: list[Ge
     namer = TokenNamer(backend.table.strings, req.return_tokens_as_token_ids)
     params = req.params
     choices, completion_tokens = [], 0
+    answers = choice_decision.block(request.params)  # a choice list's answers, each scored
     for seq in out.choices:
         completion_tokens += seq.num_generated
         logprobs = None
@@ -170,6 +172,8 @@ def format_response(backend, req: ChatRequest, ids: list[int], requests: list[Ge
         if seq.constraint_logprobs is not None:
             choice["constraint_logprobs"] = _constraint_logprobs(backend, seq.token_ids, seq.constraint_logprobs,
                                                                  seq.finish_reason)
+        if answers is not None:
+            choice["choice_logprobs"] = answers
         choices.append(choice)
     body = {"id": "chatcmpl-" + secrets.token_hex(8), "object": "chat.completion", "created": int(time.time()),
            "model": backend.info.name, "choices": choices,
@@ -191,13 +195,17 @@ def stream_formatters(backend, req: ChatRequest, ids: list[int], requests: list[
             "created": int(time.time()), "model": backend.info.name}
     tail = {"usage": None} if req.include_usage else {}
     params = req.params
+    answers = choice_decision.block(requests[0].params)  # a choice list's, in each choice's first chunk
 
     def format_deltas(deltas) -> list[bytes]:
         chunks = []
         for d in deltas:
             if d.is_first:
-                chunks.append(sse({**head, "choices": [{"index": d.seq_index, "delta": {"role": "assistant",
-                                   "content": ""}, "logprobs": None, "finish_reason": None}], **tail}))
+                first = {"index": d.seq_index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None}
+                if answers is not None:
+                    first["choice_logprobs"] = answers
+                chunks.append(sse({**head, "choices": [first], **tail}))
             if not d.text and not len(d.token_ids) and d.finish_reason is None:
                 continue
             logprobs = None

@@ -18,6 +18,7 @@ from ..backend import GenerationOutput, GenerationRequest, SamplingParams
 from ..tokens import TextAssembler
 from ..output.instruments import asked_ids_top, join_legacy
 from ..output.logprobs import TokenNamer, legacy_logprobs, wire_floats
+from . import choice_decision
 from .caps import check_request_caps, check_text_length
 from .errors import InvalidRequest
 from .interventions import checked_interventions
@@ -133,6 +134,7 @@ def format_response(backend, req: CompletionRequest, prompts: list[Prompt], requ
         echo_text, echo_offsets = prompt.echo_text, prompt.echo_offsets
         prompt_ids = np.asarray(request.prompt_ids, dtype=np.int64)
         prompt_part = None
+        answers = choice_decision.block(request.params)  # a choice list's answers, each scored
         if params.prompt_logprobs is not None:
             prompt_part = prompt_logprobs_parts(backend, req, prompt_ids, out.prompt_columns)
         for seq in out.choices:
@@ -165,6 +167,8 @@ def format_response(backend, req: CompletionRequest, prompts: list[Prompt], requ
                     namer, params, prompt_ids, out.prompt_columns, seq, echo_offsets, True)
             if seq.constraint_logprobs is not None:
                 choice["constraint_logprobs"] = wire_floats(seq.constraint_logprobs).tolist()
+            if answers is not None:
+                choice["choice_logprobs"] = answers
             choices.append(choice)
     prompt_tokens = sum(r.num_prompt_tokens for r in requests)
     return {
@@ -210,6 +214,7 @@ def stream_formatters(backend, req: CompletionRequest, prompts: list[Prompt], re
             "model": backend.info.name}
     tail = {"usage": None} if req.include_usage else {}
     k = params.logprobs or 0
+    answers = [choice_decision.block(r.params) for r in requests]  # a choice list's, in each first chunk
 
     def format_deltas(deltas) -> list[bytes]:
         chunks = []
@@ -242,6 +247,8 @@ def stream_formatters(backend, req: CompletionRequest, prompts: list[Prompt], re
                     d.processed_logprobs, d.processed_top_ids, d.processed_top_logprobs)
             if d.constraint_logprobs is not None:
                 choice["constraint_logprobs"] = wire_floats(d.constraint_logprobs).tolist()
+            if d.is_first and answers[d.group_index] is not None:
+                choice["choice_logprobs"] = answers[d.group_index]
             chunks.append(sse({**head, "choices": [choice], **tail}))
         return chunks
 

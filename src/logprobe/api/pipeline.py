@@ -9,7 +9,7 @@ an `Endpoint`; a check that every route must pass goes in `CHECKS` (or a pipelin
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
@@ -19,6 +19,7 @@ from starlette.responses import Response, StreamingResponse
 
 from ..backend import INTERACTIVE, GenerationRequest
 from ..config import Limits
+from . import choice_decision
 from .errors import InvalidRequest, ModelNotFound, new_request_id
 from .holding import Call, admit, run_held_jobs, run_jobs, stream_held
 from .json_body import json_response, read_json
@@ -160,16 +161,29 @@ class Pipeline:
                 held.extend(requests)
             spans.append(mine)
         order = list(jobs)
-        if self.admission is None:
-            hold, results = None, await run_jobs(list(jobs.values()))
-        else:
-            hold, results = await run_held_jobs(self.admission, call, list(jobs.values()), self.request_timeout())
+        hold, results = await self._run_jobs(list(jobs.values()), call)
         by_backend = dict(zip(order, results))
         answers = []
         for checked, mine in zip(many, spans):
             outputs = [o for key, first, end in mine for o in by_backend[key][first:end]]  # in the order of requests
             answers.append(await self._format(checked, outputs, hold))
         return answers
+
+    async def _run_jobs(self, jobs: list[tuple], call: Call):
+        """(hold, results): (backend, requests) jobs run under one hold (none without admission)."""
+        if self.admission is None:
+            return None, await run_jobs(jobs)
+        return await run_held_jobs(self.admission, call, jobs, self.request_timeout())
+
+    async def decide(self, checked: Checked, call: Call) -> Checked:
+        """A checked request with what must run before it decided: a `choice` list's answer, from each
+        answer's log probability after the prompt (api/choice_decision.py; its scoring runs under a hold
+        of its own, given back before the request's). Any other request is returned as it is."""
+        async def run(jobs):
+            return (await self._run_jobs(jobs, call))[1]
+
+        requests = await choice_decision.decided(run, checked.target, checked.requests)
+        return checked if requests is checked.requests else replace(checked, requests=requests)
 
     async def _format(self, checked: Checked, outputs: list, hold) -> Answer:
         endpoint = checked.endpoint
@@ -191,6 +205,7 @@ class Pipeline:
         if endpoint.stream_formatters is not None and checked.req.stream:
             raise InvalidRequest("Invalid value for 'stream': a batch line is answered whole; streaming is not "
                                  "available in a batch. Remove 'stream' or set it to false.", "stream")
+        checked = await self.decide(checked, call)
         answer = await self.run(checked, call)
         try:
             if answer.parts:
@@ -204,6 +219,7 @@ class Pipeline:
         """An HTTP POST route. Nothing is held or queued before every check has passed."""
         call = http_call(request)
         checked = await self.prepare(endpoint, await read_json(request, self.limits), call.request_id)
+        checked = await self.decide(checked, call)
         req = checked.req
         if endpoint.stream_formatters is not None and req.stream:
             format_deltas, final_chunks = endpoint.stream_formatters(checked.target, req, checked.prepared,

@@ -227,9 +227,9 @@ class EngineCore:
         (`expanded`: the group holds rows already; its first pick comes before them)."""
         if pick is None:
             seeds = [group.sequences[i].next_seed() for i in group.active_rows]
-            steering, masks = steering_of(group, logprob_rows)
+            steering, masks, kept = steering_of(group, logprob_rows)
             pick = pick_with_instruments(logprob_rows, group.params, seeds, group.params.logprobs or 0,
-                                         steering, masks)
+                                         steering, masks, kept)
         num_rows = len(group.active_rows)
         keep = self.outputs.record(group, pick)
         if expanded and keep and len(keep) < num_rows:

@@ -55,7 +55,10 @@ class StructuredOutputs(RequestModel):
     json_: Union[dict[str, Any], str] | None = Field(None, alias="json", description="A JSON Schema (an object "
                                                      "or its JSON text).")
     regex: str | None = Field(None, description="The whole text matches this regular expression.")
-    choice: list[str] | None = Field(None, min_length=1, description="The text is one of these strings.")
+    choice: list[str] | None = Field(None, min_length=1, description="The text is one of these strings: the one "
+                                    "the model finds likeliest after the prompt (greedy) or one drawn in proportion "
+                                    "at the temperature; each choice reports every string's log probability in "
+                                    "choice_logprobs.")
     grammar: str | None = Field(None, description="A context-free grammar, in Lark (or GBNF) syntax.")
     json_object: bool | None = Field(None, description="Any JSON object.")
     whitespace_pattern: str | None = Field(None, description="With json or json_object: the regex of the "
@@ -249,6 +252,20 @@ class ConstraintFields(RequestModel):
     @check
     def check_one_constraint(self, limits) -> None:
         one_constraint(self.response_format, self.structured_outputs)
+
+    @check
+    def check_choice_alone(self, limits) -> None:
+        """A choice list is decided by each answer's whole log probability (api/choice_decision.py), not
+        token by token: a bias on single tokens has nothing to apply to there, and the answers are scored
+        by the model as it is (interventions' positions count from the end of each prompt, which the
+        scored answers move)."""
+        if self.structured_outputs is None or self.structured_outputs.kind != "choice":
+            return
+        for name in ("logit_bias", "interventions"):
+            if getattr(self, name, None):
+                raise InvalidRequest(f"'{name}' cannot be used with 'structured_outputs.choice': the answer is "
+                                     "decided by each choice's own log probability as the model gives it, not "
+                                     "token by token. Leave out one of the two.", name)
 
     @property
     def constraint(self) -> Constraint | None:

@@ -15,6 +15,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
+from ..host.forced import sequence_constraint
 from ..host.request import SequenceGroup
 from .steering import grammar_rows
 
@@ -32,8 +33,8 @@ class GrammarMasks:
         """Each choice's grammar, from `new_grammar_state(constraint)`, and its first mask. Computed
         on the engine thread: the first token is picked right after the prompt's pass, so there is no
         forward pass left to overlap."""
-        for seq in group.sequences:
-            seq.grammar = new_grammar_state(group.params.constraint)
+        for seq in group.sequences:  # a decided choice: each sequence spells its own answer (host/forced.py)
+            seq.grammar = new_grammar_state(sequence_constraint(group.params.constraint, seq.index))
         group.grammar_masks = grammar_rows(group)
 
     @contextlib.contextmanager

@@ -123,17 +123,19 @@ def fill_prompt_extras(extras: PositionColumns, logprob_rows: torch.Tensor, rows
 
 
 def pick_with_instruments(logprob_rows: torch.Tensor, params: SamplingParams, seeds: list[int], k: int,
-                          steering: Steering | None = None, masks: np.ndarray | torch.Tensor | None = None
-                          ) -> Pick:
+                          steering: Steering | None = None, masks: np.ndarray | torch.Tensor | None = None,
+                          kept: np.ndarray | None = None) -> Pick:
     """The tokens of one group's rows (logprob_rows [R, V] raw log probabilities), drawn as `sample_batch`
     draws them (with the distribution they were drawn from where the request asks), with their log
     probabilities, top-k and the instrument columns the request asked for; brought to the host once
     per column, not per row. A steered request (`steering`, with the rows' `masks`, steering.py) is
     drawn from its biased and masked scores; its processed distribution has its own top-k, and a
-    masked one the allowed log mass at each row."""
+    masked one the allowed log mass at each row (over `kept`, where a grammar's draw is narrower than
+    what it keeps: steering.steering_of)."""
     num_rows, vocab = logprob_rows.shape
     columns = instrument_columns(logprob_rows, params)
     settings = BatchSettings.of([params] * num_rows, vocab, logprob_rows.device, seeds)
+    narrower = kept is not None and kept is not masks
     if masks is not None:  # one copy to the device for the draw and the allowed mass
         masks = on_device(masks, logprob_rows.device)
     scores = logprob_rows if steering is None else steering.scores(logprob_rows, masks)
@@ -151,7 +153,7 @@ def pick_with_instruments(logprob_rows: torch.Tensor, params: SamplingParams, se
         columns["ranks"] = count_greater(logprob_rows, raw[:, None]) + 1
     out = dict(tokens=tokens, logprobs=raw, top_ids=top_ids, top_logprobs=top_values)
     if params.is_masked and params.logprobs is not None:
-        out["constraint_logprobs"] = allowed_logmass(logprob_rows, masks)
+        out["constraint_logprobs"] = allowed_logmass(logprob_rows, kept if narrower else masks)
     if processed is not None:
         out.update(processed_columns(processed, tokens, top_ids, params, k, steering is not None))
         if params.logprob_token_ids:

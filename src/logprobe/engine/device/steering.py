@@ -11,7 +11,9 @@ log_softmax in float32):
                and what `logprobs_mode: processed` reports (a greedy row: a point mass, as unsteered)
 
 and, where a mask is in force, `constraint_logprob = logsumexp(raw[allowed])`: how much of the model's
-probability the mask kept (exactly 0 at a position where it allowed every token).
+probability the mask kept (exactly 0 at a position where it allowed every token). Where a grammar forces
+a text, the draw's mask holds the tokenizer's spelling of it alone while `allowed` holds every spelling
+the grammar accepts (`steering_of`).
 
 Only steered requests come here (instruments.pick_with_instruments picks their rows on their own), so
 a plain row is drawn by sampler.pick exactly as when no steered request runs beside it.
@@ -98,17 +100,18 @@ class Steering:
             mask &= grammar
         return mask
 
-    def masks(self, rows_token_ids: list[list[int]], grammar: list[tuple[np.ndarray, bool]] | None = None
-              ) -> np.ndarray | None:
+    def masks(self, rows_token_ids: list[list[int]], grammar: list[tuple[np.ndarray, bool]] | None = None,
+              allow_empty: bool = False) -> np.ndarray | None:
         """[R, V] bool for rows of sequences (their generated tokens, and each one's grammar mask and
-        whether its grammar is complete), or None when no row masks anything."""
+        whether its grammar is complete), or None when no row masks anything. A row that allows no
+        token raises the conflict (unless `allow_empty`)."""
         rows = [self.row_mask(ids, *(grammar[r] if grammar is not None else (None, False)))
                 for r, ids in enumerate(rows_token_ids)]
         if all(m is None for m in rows):
             return None
         out = np.stack([np.ones(self.vocab, dtype=bool) if m is None else m for m in rows])
         empty = ~out.any(axis=1)
-        if empty.any():
+        if empty.any() and not allow_empty:
             raise conflict_at(self.params, len(rows_token_ids[int(np.flatnonzero(empty)[0])]))
         return out
 
@@ -126,22 +129,38 @@ def on_device(masks: np.ndarray | torch.Tensor, device) -> torch.Tensor:
     return masks if isinstance(masks, torch.Tensor) else to_device(masks, torch.bool, device)
 
 
-def steering_of(group, logprob_rows: torch.Tensor) -> tuple[Steering | None, np.ndarray | None]:
-    """(a SequenceGroup's Steering, built at its first pick, and its active rows' masks [R, V] bool or
-    None), from the grammar masks taken for this step; (None, None) for an unsteered group."""
+def steering_of(group, logprob_rows: torch.Tensor
+                ) -> tuple[Steering | None, np.ndarray | None, np.ndarray | None]:
+    """(a SequenceGroup's Steering, built at its first pick, the masks [R, V] bool of the tokens its active
+    rows may draw, and the masks of the tokens the allowed mass counts), from the grammar sets taken for
+    this step; (None, None, None) for an unsteered group. The two masks differ only where a grammar forces
+    a text (host/grammar.py `GrammarState.sets`): a row draws the tokenizer's spelling of it, or, where
+    `allowed_token_ids` or a bad word rules that out, any token that keeps the text inside."""
     if not group.params.is_steered:
-        return None, None
+        return None, None, None
     if group.steering is None:
         group.steering = Steering(group.params, logprob_rows.shape[-1], logprob_rows.device)
     grammar, group.grammar_masks = group.grammar_masks, None
-    return group.steering, group.steering.masks([group.sequences[i].token_ids for i in group.active_rows], grammar)
+    rows = [group.sequences[i].token_ids for i in group.active_rows]
+    kept = group.steering.masks(rows, None if grammar is None else [(a, complete) for a, complete, _ in grammar])
+    if grammar is None or all(drawn is None for _, _, drawn in grammar):
+        return group.steering, kept, kept
+    drawn = group.steering.masks(rows, [(a if d is None else d, complete) for a, complete, d in grammar],
+                                 allow_empty=True)
+    empty = ~drawn.any(axis=1)
+    drawn[empty] = kept[empty]
+    return group.steering, drawn, kept
 
 
-def grammar_rows(group) -> list[tuple[np.ndarray, bool]]:
-    """(allowed [V] bool, complete) of the grammar of each active row of a constrained group
-    (SequenceGroup): run on the grammar thread while the forward pass runs (core.py)."""
-    return [(seq.grammar.allowed(), seq.grammar.is_accepting)
-            for seq in (group.sequences[i] for i in group.active_rows)]
+def grammar_rows(group) -> list[tuple[np.ndarray, bool, np.ndarray | None]]:
+    """(allowed [V] bool, complete, the tokens that may be drawn where fewer [V] bool or None) of the
+    grammar of each active row of a constrained group (SequenceGroup): run on the grammar thread while
+    the forward pass runs (core.py)."""
+    rows = []
+    for seq in (group.sequences[i] for i in group.active_rows):
+        allowed, drawn = seq.grammar.sets()
+        rows.append((allowed, seq.grammar.is_accepting, drawn))
+    return rows
 
 
 def allowed_logmass(raw_rows: torch.Tensor, masks: np.ndarray | torch.Tensor | None) -> torch.Tensor:

@@ -27,6 +27,7 @@ import numpy as np
 
 from ...backend import Constraint
 from ...tokens import TokenTable
+from .forced import ForcedTokens
 
 KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 CACHE_SIZE = 256  # compiled grammars kept (least recently used dropped first)
@@ -231,14 +232,40 @@ class GrammarState:
 
     def allowed_into(self, out: np.ndarray) -> None:
         """`allowed()` written into a [vocab_size] bool row (a batch's mask, without a new array)."""
+        self._own_into(out)
+        if np.count_nonzero(out) <= 1:  # one token: maybe llguidance's spelling of a forced text
+            self._add_other_spellings(out)
+        self._with_stops(out)
+
+    def sets(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """(allowed, drawn): `allowed()`, and the tokens a generation may draw where they are fewer, else
+        None. Where the grammar forces a text, a token is drawn from llguidance's own mask, the first
+        token of the tokenizer's spelling of that text; the other spellings still count in the mass the
+        constraint keeps (docs/performance.md, "Constrained decoding: the allowed set", measured)."""
+        allowed = np.zeros(self.vocab.vocab_size, dtype=bool)
+        self._own_into(allowed)
+        drawn = None
+        if np.count_nonzero(allowed) <= 1:
+            own = allowed.copy()
+            self._add_other_spellings(allowed)
+            # llguidance allows nothing where its spelling of the forced text is not settled yet (" " after
+            # "maybe" in "maybe so|maybe not"): there every spelling the parser accepts may be drawn
+            if np.count_nonzero(own) == 1 and np.count_nonzero(allowed) > 1:
+                drawn = self._with_stops(own)
+        return self._with_stops(allowed), drawn
+
+    def _own_into(self, out: np.ndarray) -> None:
+        """llguidance's mask, over the model's vocabulary (padding ids never allowed)."""
         self._matcher.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)
         bits = np.unpackbits(self._words.view(np.uint8), bitorder="little")
         out[:self.vocab.num_tokens] = bits[:self.vocab.num_tokens]
         out[self.vocab.num_tokens:] = False
-        if np.count_nonzero(out) <= 1:  # one token: maybe llguidance's spelling of a forced text
-            self._add_other_spellings(out)
+
+    def _with_stops(self, out: np.ndarray) -> np.ndarray:
+        """Every stop token where llguidance allows its one end-of-sequence."""
         if len(self.vocab.stop_ids) > 1 and out[self.vocab.stop_ids[0]]:
             out[list(self.vocab.stop_ids)] = True
+        return out
 
     def _add_other_spellings(self, out: np.ndarray) -> None:
         """Where the grammar forces a text, llguidance allows only the first token of the tokenizer's
@@ -277,10 +304,13 @@ class GrammarState:
         return self._matcher.is_stopped()
 
 
-def new_state(constraint: Constraint, model) -> GrammarState:
+def new_state(constraint: Constraint, model) -> GrammarState | ForcedTokens:
     """A sequence's state at the start of its text (the compile is cached). `model`: a GrammarVocab, or
-    what `vocab_of_model` takes (the engine)."""
+    what `vocab_of_model` takes (the engine). A "tokens" constraint (one sequence of a decided choice,
+    forced.py) spells its tokens: no grammar to compile."""
     vocab = model if isinstance(model, GrammarVocab) else vocab_of_model(model)
+    if constraint.kind == "tokens":
+        return ForcedTokens(json.loads(constraint.source), vocab.vocab_size, vocab.stop_ids)
     return GrammarState(grammar_for(constraint, vocab))
 
 

@@ -108,7 +108,7 @@ class SequenceGroup:
         self.on_finish = None  # callable, set by the engine's async front
         self.on_step = None  # callable(group), run on the engine thread after each step (streaming)
         self.steering = None  # engine/device/steering.py's Steering of a steered request, built at its first pick
-        self.grammar_masks = None  # [(allowed [V] bool, accepting)] per active row, for its next pick
+        self.grammar_masks = None  # [(allowed [V] bool, accepting, drawn)] per active row, for its next pick
         self.priority = "interactive"  # or "batch": waits for what interactive groups leave (scheduler.py)
 
     @property
