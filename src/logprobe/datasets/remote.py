@@ -13,7 +13,7 @@ import asyncio
 import itertools
 import random
 
-from .columns import ScoreOptions, empty_record, error_record, summary, to_table
+from .columns import ScoreOptions, asked_columns, empty_record, error_record, summary, to_table
 from .io import DatasetError, Row
 from .job import run_sync
 
@@ -24,9 +24,10 @@ REFUSED = {400, 401, 403, 404, 405, 413, 422}
 class RemoteRefused(DatasetError):
     """A server refused a request for a reason that a retry cannot fix."""
 
-    def __init__(self, message: str, code: str | None = None):
+    def __init__(self, message: str, code: str | None = None, status: int | None = None):
         super().__init__(message)
         self.code = code
+        self.status = status
 
 
 class RemoteScorer:
@@ -71,8 +72,9 @@ class RemoteScorer:
         import httpx
 
         rows = [p.row for p in prepared]
-        todo = sorted((r for r in rows if r.text), key=lambda r: (r.context or "", len(r.text)))
+        todo = sorted((r for r in rows if r.text and r.messages is None), key=lambda r: (r.context or "", len(r.text)))
         batches = [todo[i:i + self.batch_rows] for i in range(0, len(todo), self.batch_rows)]
+        batches += [[r] for r in rows if r.messages is not None]  # a conversation a request
         gate = asyncio.Semaphore(self.concurrency)
         # No overall deadline: a long batch on a loaded server may take minutes; connecting may not
         async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=60.0), headers=self.headers,
@@ -86,7 +88,7 @@ class RemoteScorer:
             if self.options.top:
                 await self._name_tops(client, records.values())
         for row in rows:
-            if not row.text:
+            if not row.scored:
                 records[row.index] = empty_record(row.id, self.options)
         return [records[r.index] for r in rows]
 
@@ -100,10 +102,17 @@ class RemoteScorer:
             body["top_logprobs"] = self.options.top
         if self.options.stats:
             body["position_stats"] = True
+        if self.options.asked:
+            body["logprob_token_ids"] = [r.asked_ids for r in batch]
+        if batch[0].messages is not None:
+            del body["input"]
+            body["messages"] = batch[0].messages
         try:
             data = (await self._post(client, "/v1/score", body))["data"]
         except RemoteRefused as exc:
-            if not (self.options.skip_invalid and exc.code == "context_length_exceeded"):
+            # a row's own fault (its length; a conversation's or its ids' shape) is its error, with --skip-invalid
+            own = exc.code == "context_length_exceeded" or (len(batch) == 1 and exc.status == 400)
+            if not (self.options.skip_invalid and own):
                 raise
             if len(batch) == 1:
                 return [error_record(batch[0].id, exc.message)]
@@ -127,7 +136,7 @@ class RemoteScorer:
                 message, code = _error_of(r)
                 problem = f"{url} answered {r.status_code}: {message}"
                 if r.status_code in REFUSED or r.status_code not in RETRIED:
-                    raise RemoteRefused(f"the server refused: {problem}", code)
+                    raise RemoteRefused(f"the server refused: {problem}", code, r.status_code)
                 wait = max(wait, _retry_after(r))
             if attempt == self.max_attempts:
                 raise DatasetError(f"gave up after {attempt} attempts: {problem}")
@@ -174,6 +183,8 @@ class RemoteScorer:
             record.update(top_ids=ids, top_logprobs=values)
         if self.options.stats:
             record["entropy"] = entry["position_stats"]["entropy"]
+        if self.options.asked:
+            record.update(asked_columns(entry))
         return record
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .columns import ScoreOptions, empty_record, error_record, summary, to_table
+from .columns import ScoreOptions, asked_columns, empty_record, error_record, summary, to_table
 from .io import DatasetError, Row
 from .job import run_sync
 from .remote import RemoteScorer  # noqa: F401  (scorer.RemoteScorer is part of this module's interface)
@@ -84,11 +84,11 @@ class InProcessScorer:
 
         out = []
         for row in rows:
-            if not row.text:
+            if not row.scored:
                 out.append(Prepared(row))
                 continue
-            req = self._request([row.text], [row.context])
             try:
+                req = self._row_request(row)
                 items = scoring.tokenize(self.engine, req)
                 scoring.check_caps(self.engine, req, items, self.limits)
             except APIError as exc:
@@ -116,6 +116,8 @@ class InProcessScorer:
         records: dict[int, dict] = {}
         if todo:
             req = self._request([p.row.text for p in todo], [p.row.context for p in todo])
+            if self.options.asked:
+                req.logprob_token_ids = [tuple(tuple(ids) for ids in p.row.asked_ids) for p in todo]
             items = [p.item for p in todo]
             requests = scoring.build_requests(self.engine, req, items, "dataset")
             outputs = await self.engine.run(requests)
@@ -142,6 +144,15 @@ class InProcessScorer:
         return ScoreRequest(self.model_name, texts, contexts, self.options.add_bos,
                             self.options.top or None, False, None, position_stats=self.options.stats)
 
+    def _row_request(self, row: Row):
+        """A row's ScoreRequest; a conversation's or one with asked ids through /v1/score's own request
+        model (the API's checks and messages)."""
+        from ..api import scoring
+
+        if row.messages is None and row.asked_ids is None:
+            return self._request([row.text], [row.context])
+        return scoring.parse(row_body(row, self.model_name, self.options), self.limits)
+
     def _record(self, p: Prepared, entry: dict, columns) -> dict:
         """One row's record from its /v1/score entry and, for top-k and entropy, the engine's columns."""
         opts, first = self.options, p.item.first
@@ -162,4 +173,22 @@ class InProcessScorer:
                     record[name][0] = None
         if opts.stats:
             record["entropy"] = entry["position_stats"]["entropy"]
+        if opts.asked:
+            record.update(asked_columns(entry))
         return record
+
+
+def row_body(row: Row, model: str, options: ScoreOptions) -> dict:
+    """The /v1/score body of one row: its text and context, or its conversation; its asked ids."""
+    body = {"model": model, "add_bos": options.add_bos, "position_stats": options.stats}
+    if options.top:
+        body["top_logprobs"] = options.top
+    if row.messages is not None:
+        body["messages"] = row.messages
+    else:
+        body["input"] = row.text
+        if row.context:
+            body["context"] = row.context
+    if row.asked_ids is not None:
+        body["logprob_token_ids"] = [row.asked_ids]
+    return body
