@@ -5,7 +5,9 @@ ids' log probabilities and ranks chunk by chunk on the device, as for the same i
 
 from __future__ import annotations
 
-from ..backend import PositionColumns
+from dataclasses import replace
+
+from ..backend import PositionColumns, SamplingParams
 from ..output.logprobs import wire_floats
 from .errors import InvalidRequest
 
@@ -28,9 +30,12 @@ def check(backend, asked, items) -> None:
                                  "token.", "logprob_token_ids")
 
 
-def per_prompt_position(asked, item) -> tuple[tuple[int, ...], ...]:
-    """SamplingParams.position_token_ids of an entry: nothing asked at the tokens before the scored ones."""
-    return ((),) * item.first + tuple(asked)
+def params_of(asked, items, params: SamplingParams) -> list[SamplingParams]:
+    """Each entry's SamplingParams: the same ids everywhere, or its own per prompt position (none asked at
+    the tokens before the scored ones)."""
+    if isinstance(asked, tuple):
+        return [replace(params, logprob_token_ids=asked)] * len(items)
+    return [replace(params, position_token_ids=((),) * item.first + tuple(mine)) for item, mine in zip(items, asked)]
 
 
 def block(req, index: int, extras: PositionColumns, scored: slice, first_is_null: bool) -> dict:

@@ -9,7 +9,7 @@ engine path as /v1/completions with `echo`, `logprobs` and `max_tokens: 0`, so t
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -111,14 +111,9 @@ def build_requests(backend, req: ScoreRequest, items: list[ScoreItem], request_i
     params = SamplingParams(max_tokens=0, echo=True, logprobs=req.top_logprobs or 0,
                             residual_layers=residual_layers(backend, req.residual),
                             prompt_logprobs=-1 if req.constraint is not None else None,
-                            position_stats=req.position_stats,
-                            logprob_token_ids=req.logprob_token_ids if isinstance(req.logprob_token_ids, tuple)
-                            else ())
-    if isinstance(req.logprob_token_ids, tuple):
-        return [GenerationRequest(request_id, it.token_ids, params) for it in items]
-    return [GenerationRequest(request_id, it.token_ids, replace(
-        params, position_token_ids=position_ids.per_prompt_position(asked, it)))
-        for it, asked in zip(items, req.logprob_token_ids)]
+                            position_stats=req.position_stats)
+    return [GenerationRequest(request_id, it.token_ids, p)
+            for it, p in zip(items, position_ids.params_of(req.logprob_token_ids, items, params))]
 
 
 def format_response(backend, req: ScoreRequest, items: list[ScoreItem], requests: list[GenerationRequest],
@@ -143,11 +138,10 @@ def format_response(backend, req: ScoreRequest, items: list[ScoreItem], requests
         token_ranks = pc.ranks[sl].tolist()
         if item.first == 0:
             token_ranks[0] = None
-        entry = {"index": index} if item.message_index is None else {"index": index,
-                                                                       "message_index": item.message_index}
-        entry.update({"tokens": shaped["tokens"], "token_ids": ids.tolist(),
+        turn = {} if item.message_index is None else {"message_index": item.message_index}
+        entry = {"index": index, **turn, "tokens": shaped["tokens"], "token_ids": ids.tolist(),
                  "token_logprobs": shaped["token_logprobs"], "token_ranks": token_ranks,
-                 "text_offset": shaped["text_offset"]})
+                 "text_offset": shaped["text_offset"]}
         if req.top_logprobs is not None:
             entry["top_logprobs"] = shaped["top_logprobs"]
         entry.update({"logprob": total_lp, "mean_logprob": mean,
