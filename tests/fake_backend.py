@@ -251,11 +251,18 @@ def top_p_set(row: np.ndarray, p: float, cap: int):
     return ids, values, count, mass, bool(total[count - 1] < p)
 
 
-def position_rows(params, row: np.ndarray) -> dict:
-    """What a request's instruments record of one distribution (not the sampled token's rank)."""
+def position_rows(params, row: np.ndarray, position: int | None = None) -> dict:
+    """What a request's instruments record of one distribution (not the sampled token's rank); a prompt
+    `position`'s own asked ids where the request has them, padded with id 0 to the widest (as the engine)."""
     out = {}
+    asked = None
     if params.logprob_token_ids:
         asked = np.asarray(params.logprob_token_ids, dtype=np.int64)
+    elif params.position_token_ids and position is not None:
+        asked = np.zeros(max(1, max(len(x) for x in params.position_token_ids)), dtype=np.int64)
+        own = params.position_token_ids[position] if position < len(params.position_token_ids) else ()
+        asked[:len(own)] = own
+    if asked is not None:
         out["token_id_logprobs"] = row[asked]
         out["token_id_ranks"] = ranks_of(row, row[asked]).astype(np.int64)
     if params.position_stats:
@@ -271,12 +278,13 @@ def stack_rows(params, rows: list[dict | None], vocab: int) -> PositionColumns:
     cols = PositionColumns(top_p=params.top_logprobs_p)
     if params.logprob_token_ids:
         cols.token_ids = np.asarray(params.logprob_token_ids, dtype=np.int64)
-    num_ids, cap = len(params.logprob_token_ids), min(params.max_top_p_tokens, vocab)
+    num_ids = len(params.logprob_token_ids) or max((len(x) for x in params.position_token_ids), default=1) or 1
+    cap = min(params.max_top_p_tokens, vocab)
     shapes = {"token_id_logprobs": (np.float32, num_ids, np.nan), "token_id_ranks": (np.int64, num_ids, 0),
               "entropy": (np.float32, None, np.nan), "top_p_ids": (np.int64, cap, 0),
               "top_p_logprobs": (np.float32, cap, np.nan), "top_p_counts": (np.int64, None, 0),
               "top_p_mass": (np.float32, None, np.nan), "top_p_truncated": (bool, None, False)}
-    for name in position_rows(params, np.zeros(vocab, np.float32)):
+    for name in position_rows(params, np.zeros(vocab, np.float32), 0):
         dtype, width, empty = shapes[name]
         column = np.full((len(rows),) if width is None else (len(rows), width), empty, dtype=dtype)
         for i, r in enumerate(rows):
@@ -479,7 +487,7 @@ class FakeBackend:
             if full:
                 cols.full[i], cols.full_ranks[i] = row, ranks
         if params is not None and params.needs_position_columns:
-            rows = [None] + [position_rows(params, self._row(ids[i - 2] if i >= 2 else -1, ids[i - 1]))
+            rows = [None] + [position_rows(params, self._row(ids[i - 2] if i >= 2 else -1, ids[i - 1]), i)
                              for i in range(1, num)]
             cols.extras = stack_rows(params, rows, vocab)
         return cols

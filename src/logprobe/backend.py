@@ -75,6 +75,7 @@ class SamplingParams:
     lens_top_k: int = 0  # ... with the k likeliest tokens at each position
     # The researcher's instruments (docs/api.md, section 2.3); none costs anything when not asked
     logprob_token_ids: tuple[int, ...] = ()  # these ids' log probabilities and ranks at every position
+    position_token_ids: tuple[tuple[int, ...], ...] = ()  # ... or, per prompt position i, its own ids (row 0: none)
     position_stats: bool = False  # entropy and the actual token's rank at every position
     top_logprobs_p: float | None = None  # the smallest set of likeliest tokens whose mass reaches p
     max_top_p_tokens: int = 100  # ... at most this many tokens (the server's cap)
@@ -115,7 +116,8 @@ class SamplingParams:
     @property
     def needs_position_columns(self) -> bool:
         """Whether prompt and generated positions carry `PositionColumns` (asked ids, statistics)."""
-        return bool(self.logprob_token_ids) or self.position_stats or self.top_logprobs_p is not None
+        return (bool(self.logprob_token_ids) or bool(self.position_token_ids) or self.position_stats
+                or self.top_logprobs_p is not None)
 
     @property
     def is_steered(self) -> bool:
@@ -150,6 +152,8 @@ class PositionColumns:
     `logprobs`) holds the asked ids' log probabilities in the distribution the token was drawn from."""
 
     token_ids: np.ndarray | None = None  # [K] int64, the asked ids (logprob_token_ids)
+    position_ids: np.ndarray | None = None  # [N, K] int64, prompt row i's own ids (position_token_ids), 0-padded;
+    # with it, token_id_logprobs and token_id_ranks row i describe position_ids row i
     token_id_logprobs: np.ndarray | None = None  # [N, K] float32
     token_id_ranks: np.ndarray | None = None  # [N, K] int64
     token_id_logprobs_processed: np.ndarray | None = None  # [N, K] float32

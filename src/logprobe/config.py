@@ -31,6 +31,8 @@ class Limits:
     max_residual_vectors: int = option(65_536, "most residual-stream vectors (positions x layers x n)")
     max_lens_rows: int = option(8192, "output_lens: most rows (positions x layers x n), each a pass of the head")
     max_logprob_token_ids: int = option(128, "logprob_token_ids: most ids asked at every position")
+    max_position_token_ids: int = option(32_768, "/v1/score's logprob_token_ids as one list per position: most "
+                                         "ids in one request, summed over positions and entries")
     max_top_p_tokens: int = option(100, "top_logprobs_p: most tokens of one position's set (more: truncated)")
     max_interventions: int = option(16, "interventions: most changes to the residual stream in one request")
     max_logit_bias: int = option(300, "logit_bias: most token ids in one request (OpenAI's cap)")
@@ -254,6 +256,11 @@ def _add_score_dataset(group) -> None:
     group.add_argument("--column", default="text", help="the column of texts (default %(default)s)")
     group.add_argument("--context-column", metavar="COLUMN", help="a column of contexts, conditioned on, not scored")
     group.add_argument("--id-column", metavar="COLUMN", help="a column of unique ids (default: the row number)")
+    group.add_argument("--messages-column", metavar="COLUMN", help="a column of conversations (arrays of "
+                       "{role, content} messages; JSON text in a CSV), each scored on its last assistant message "
+                       "as /v1/score's messages; instead of --column")
+    group.add_argument("--ids-column", metavar="COLUMN", help="a column of token-id arrays, one per scored token: "
+                       "their log probabilities and ranks in the asked_logprobs and asked_ranks columns")
     group.add_argument("--tokens", action="store_true",
                        help="add per-token columns: tokens, token_ids, token_logprobs, ranks")
     group.add_argument("--stats", action="store_true", help="add the entropy (nats) at every position")

@@ -126,11 +126,15 @@ def score_dataset(args) -> int:
         if not 0 <= args.top <= 100:
             raise DatasetError(f"--top {args.top} is outside 0..100")
         options = ScoreOptions(top=args.top, tokens=args.tokens, stats=args.stats, add_bos=not args.no_bos,
-                               skip_invalid=args.skip_invalid)
+                               skip_invalid=args.skip_invalid, asked=args.ids_column is not None)
         if not args.output and (os.path.isdir(args.input) or any(c in args.input for c in "*?[")):
             raise DatasetError(f"{args.input} names several files: give --output (a .parquet, .jsonl or .csv file)")
         output = args.output or args.input + ".scores.parquet"
-        read_opts = job.ReadOptions(args.column, args.context_column, args.id_column)
+        read_opts = job.ReadOptions(args.column, args.context_column, args.id_column, args.messages_column,
+                                    args.ids_column)
+        if args.ray and (args.messages_column or args.ids_column):
+            raise DatasetError("--messages-column and --ids-column are not offered with --ray: score the file in "
+                               "process or with --url")
         progress = "none" if args.quiet else "auto"
         if args.quiet:
             from transformers.utils import logging as hf_logging

@@ -142,7 +142,9 @@ class Spec:
     required: frozenset
 
 
-SPECS = {path: Spec(frozenset(model.implemented_fields()), model.neutral_values(), frozenset(model.required_fields()))
+REQUIRED_UNLESS = {"/v1/score": {"input"}}  # required unless an alternative is sent (`messages`)
+SPECS = {path: Spec(frozenset(model.implemented_fields()), model.neutral_values(),
+                    frozenset(model.required_fields()) | REQUIRED_UNLESS.get(path, set()))
          for path, model in BODIES.items()}
 SKIPPED_PATHS = ("/", "/static")
 
@@ -516,7 +518,8 @@ WRONG_TYPES = {
     "/v1/score": {
         "model": True, "input": 5, "context": 5, "add_bos": "true", "top_logprobs": "3", "position_stats": 1,
         "output_residual_stream": True, "return_tokens_as_token_ids": 0, "user": {"id": 1},
-        "response_format": 1, "structured_outputs": [],
+        "response_format": 1, "structured_outputs": [], "messages": {"role": "user", "content": "hi"},
+        "score_messages": "1", "replies": "yes", "include_end_of_turn": "no", "logprob_token_ids": "330",
     },
     "/v1/compare": {
         "models": "tiny", "input": 5, "context": ["x"], "add_special_tokens": "true", "return_tokens_as_token_ids": 1,

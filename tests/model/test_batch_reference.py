@@ -38,7 +38,9 @@ BODIES = {
     "/v1/score": [{"model": "tiny", "input": t, "top_logprobs": 2} for t in TEXTS]
     + [{"model": "tiny", "input": [" mat", " rug"], "context": "The cat sat on the"},
        {"model": "tiny", "input": "the mat", "context": "The cat sat on", "output_residual_stream": [1]},
-       {"model": "tiny", "input": [40, 41, 42], "add_bos": False, "return_tokens_as_token_ids": True}],
+       {"model": "tiny", "input": [40, 41, 42], "add_bos": False, "return_tokens_as_token_ids": True},
+       {"model": "tiny", "messages": [{"role": "user", "content": "Say hello."}], "replies": ["Hello!", "Hi."]},
+       {"model": "tiny", "input": [40, 41, 42], "logprob_token_ids": [[5, 6], [], [7, 100, 101]]}],
     "/v1/completions": [{"model": "tiny", "prompt": t, "max_tokens": 3, "temperature": 0, "logprobs": 2,
                          "echo": True} for t in TEXTS]
     + [{"model": "tiny", "prompt": "Hello there", "max_tokens": 4, "seed": 7, "n": 2, "logprobs": 1,

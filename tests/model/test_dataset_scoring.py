@@ -343,3 +343,105 @@ def test_remote_retries_and_refusals(monkeypatch):
     with pytest.raises(DatasetError, match="refused: http://a/v1/score answered 401: Incorrect API key"):
         RemoteScorer(["http://a"], model="tiny", transport=httpx.MockTransport(refuse)).score([Row(0, "x", "hello")])
     asyncio.run(asyncio.sleep(0))
+
+
+CONVERSATIONS = [[{"role": "user", "content": "Where do dolphins live?"},
+                  {"role": "assistant", "content": "In the sea."}],
+                 [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 2?"},
+                  {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3 + 3?"},
+                  {"role": "assistant", "content": "Six, of course."}]]
+
+
+def conversation_file(tmp_path, fmt, tokenizer):
+    """Conversations and, for each, one list of ids per scored token (the reply and its end of turn)."""
+    rng = np.random.default_rng(2)
+    records = []
+    for i, messages in enumerate(CONVERSATIONS):
+        reply = tokenizer(messages[-1]["content"], add_special_tokens=False).input_ids
+        asked = [rng.integers(0, len(tokenizer), rng.integers(0, 6)).tolist() for _ in range(len(reply) + 1)]
+        records.append({"key": f"c{i}", "chat": messages, "ids": asked})
+    path = tmp_path / f"chats.{fmt}"
+    if fmt == "jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    elif fmt == "csv":
+        import csv
+
+        with open(path, "w", newline="") as fh:
+            writer = csv.writer(fh)
+            writer.writerow(["key", "chat", "ids"])
+            writer.writerows([r["key"], json.dumps(r["chat"]), json.dumps(r["ids"])] for r in records)
+    else:
+        pq.write_table(pa.Table.from_pylist(records), path)
+    return str(path), records
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv", "parquet"])
+def test_conversations_and_ids_per_position(fmt, tiny_engine, tiny_server, client, reference, tokenizer, tmp_path):
+    """--messages-column and --ids-column: each row is /v1/score's answer to its conversation with its ids,
+    in process and through a server, against the float64 reference; the ids' numbers are list columns."""
+    path, records = conversation_file(tmp_path, fmt, tokenizer)
+    options = ScoreOptions(tokens=True, asked=True)
+    read = job.ReadOptions(id_column="key", messages_column="chat", ids_column="ids")
+    outputs = []
+    for name, scorer in (("local", InProcessScorer(tiny_engine, options)),
+                         ("remote", RemoteScorer([tiny_server], model="tiny", options=options))):
+        out = str(tmp_path / f"{name}.parquet")
+        assert job.run(path, out, scorer, options, read, progress="none") == len(records)
+        table = pq.read_table(out)
+        assert table.schema.field("asked_logprobs").type == pa.list_(pa.list_(pa.float64()))
+        assert table.schema.field("asked_ranks").type == pa.list_(pa.list_(pa.int64()))
+        outputs.append({r["id"]: r for r in table.to_pylist()})
+    for record in records:
+        api = client.post("/v1/score", json={"model": "tiny", "messages": record["chat"],
+                                              "logprob_token_ids": record["ids"]}).json()["data"][0]
+        text = tokenizer.apply_chat_template(record["chat"], tokenize=False)
+        full = tokenizer(text, add_special_tokens=False).input_ids
+        ref = reference.logprobs(full).numpy()
+        start = len(full) - 1 - len(api["token_ids"])  # the reply and <|im_end|>; "\n" follows
+        for got in outputs:
+            row = got[record["key"]]
+            assert row["token_ids"] == api["token_ids"] == full[start:len(full) - 1]
+            np.testing.assert_allclose(row["token_logprobs"], api["token_logprobs"], atol=TOL)
+            rows = np.arange(start - 1, len(full) - 2)
+            np.testing.assert_allclose(row["token_logprobs"], ref[rows, row["token_ids"]], atol=TOL)
+            for ids, values, position in zip(record["ids"], row["asked_logprobs"], rows):
+                np.testing.assert_allclose(values, ref[position, ids] if ids else [], atol=TOL)
+            assert [len(r) for r in row["asked_ranks"]] == [len(ids) for ids in record["ids"]]
+
+
+def test_conversation_rows_refused(tmp_path, tiny_engine):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"chat": [{"role": "user", "content": "hi"}]}) + "\n"
+                    + json.dumps({"chat": "not json"}) + "\n")
+    with pytest.raises(DatasetError, match="row 1 of column 'chat' is text that is not JSON"):
+        read_rows(str(path), messages_column="chat")
+    path.write_text(json.dumps({"chat": [{"role": "user", "content": "hi"}], "ids": [[1]]}) + "\n")
+    with pytest.raises(DatasetError, match="no assistant message to score"):
+        job.run(str(path), str(tmp_path / "o.parquet"), InProcessScorer(tiny_engine, ScoreOptions()),
+                ScoreOptions(), job.ReadOptions(messages_column="chat"), progress="none")
+    options = ScoreOptions(asked=True, skip_invalid=True)
+    path.write_text(json.dumps({"text": "a b c", "ids": [[1]]}) + "\n" + json.dumps({"text": "a", "ids": [[5]]}) + "\n")
+    out = str(tmp_path / "skip.parquet")
+    job.run(str(path), out, InProcessScorer(tiny_engine, options), options, job.ReadOptions(ids_column="ids"),
+            progress="none")
+    rows = pq.read_table(out).to_pylist()
+    assert "position lists" in rows[0]["error"] and rows[1]["error"] is None and len(rows[1]["asked_logprobs"]) == 1
+    path.write_text(json.dumps({"text": "a", "ids": [1, 2]}) + "\n")
+    with pytest.raises(DatasetError, match="not an array of token-id arrays"):
+        read_rows(str(path), ids_column="ids")
+
+
+def test_python_client_scores_a_conversation(tiny_server, client):
+    """logprobe.client.score_conversation and score(logprob_token_ids=...) over HTTP: the API's numbers."""
+    from logprobe.client import score, score_conversation
+
+    question = CONVERSATIONS[0][:1]
+    got = score_conversation(tiny_server, "tiny", question, replies=["In the sea.", "On land."], timeout=600)
+    want = client.post("/v1/score", json={"model": "tiny", "messages": question,
+                                          "replies": ["In the sea.", "On land."]}).json()["data"]
+    assert [s.raw["message_index"] for s in got] == [1, 1]
+    for s, entry in zip(got, want):
+        assert s.token_ids.tolist() == entry["token_ids"] and abs(s.logprob - entry["logprob"]) < 1e-4
+        np.testing.assert_allclose(s.logprobs, entry["token_logprobs"], atol=TOL)  # a pass or the prefix cache
+    (text,) = score(tiny_server, "tiny", "a b", logprob_token_ids=[[5], [6, 7]], timeout=600)
+    assert [len(x) for x in text.raw["logprob_token_ids"]["logprobs"]] == [1, 2]

@@ -65,12 +65,7 @@ def tokenize(backend, req: ChatRequest) -> list[int]:
                              "Use /v1/completions with your own prompt, or start the server with "
                              "--chat-template FILE (a Jinja template).", "messages")
     check_text_length(backend, [m.get("content") for m in req.messages], "messages")
-    try:
-        text = tok.apply_chat_template(req.messages, tokenize=False, add_generation_prompt=True)
-    except Exception as exc:  # a template that raises on these messages (e.g. a role it forbids)
-        raise InvalidRequest(f"The model's chat template could not render these messages: "
-                             f"{str(exc)[:200]}", "messages") from None
-    return tok(text, add_special_tokens=False).input_ids
+    return tok(render(backend, req.messages), add_special_tokens=False).input_ids
 
 
 def engine_params(backend, req: ChatRequest, ids: list[int]) -> SamplingParams:
@@ -80,6 +75,17 @@ def engine_params(backend, req: ChatRequest, ids: list[int]) -> SamplingParams:
     max_tokens = req.params.max_tokens if req.max_tokens is not None else max(0, backend.info.context_length - len(ids))
     return replace(with_bad_words(backend, req.params, req.bad_words), max_tokens=max_tokens,
                    stop_token_ids=backend.info.stop_token_ids, residual_layers=residual_layers(backend, req.residual))
+
+
+def render(backend, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    """The conversation as the model's chat template writes it (the prompt chat runs, and /v1/score's
+    conversations: chat_scoring.py)."""
+    try:
+        return backend.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                     add_generation_prompt=add_generation_prompt)
+    except Exception as exc:  # a template that raises on these messages (e.g. a role it forbids)
+        raise InvalidRequest(f"The model's chat template could not render these messages: "
+                             f"{str(exc)[:200]}", "messages") from None
 
 
 def check_caps(backend, req: ChatRequest, ids: list[int], limits: Limits) -> None:

@@ -9,7 +9,7 @@ engine path as /v1/completions with `echo`, `logprobs` and `max_tokens: 0`, so t
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -17,11 +17,11 @@ from ..config import Limits
 from ..backend import Constraint, GenerationOutput, GenerationRequest, SamplingParams
 from ..tokens import TextAssembler
 from ..output.logprobs import TokenNamer, legacy_logprobs
-from . import constrained_scoring
+from . import chat_scoring, constrained_scoring, position_ids
 from .caps import check_request_caps, check_text_length
 from .errors import InvalidRequest
 from .output_blocks import residual_layers, residual_of
-from .schemas import ScoreBody
+from .schemas import ScoreBody, score_fields
 from .schemas.sampling import ResidualRequest
 from .vocabulary import check_token_ids
 
@@ -37,6 +37,13 @@ class ScoreRequest:
     constraint: Constraint | None = None  # score under it (constrained_scoring.py)
     constraint_param: str = "structured_outputs"
     position_stats: bool = False  # each entry's entropy per position
+    # a conversation instead of inputs (chat_scoring.py): the turns scored, or candidate next turns
+    messages: list[dict] | None = None
+    scored_turns: list[int] = field(default_factory=list)
+    replies: list[str] | None = None
+    include_end_of_turn: bool = True
+    # asked ids (position_ids.py): one tuple for every scored position, or per entry one tuple per position
+    logprob_token_ids: tuple | list = ()
 
 
 @dataclass
@@ -45,16 +52,25 @@ class ScoreItem:
     first: int  # index of the input's first token in token_ids
     text: str | None  # the input text (None for token ids)
     constraint_check: object = None  # grammar.TextCheck of the input's tokens, under req.constraint
+    message_index: int | None = None  # the conversation's turn scored (chat_scoring.py)
 
 
 def parse(body: dict, limits: Limits) -> ScoreRequest:
     req = ScoreBody.parse(body, limits)
-    return ScoreRequest(req.model, req.input, req.contexts, req.add_bos, req.top_logprobs,
+    return ScoreRequest(req.model, req.input or [], req.contexts, req.add_bos, req.top_logprobs,
                         req.return_tokens_as_token_ids, req.output_residual_stream, req.constraint,
-                        req.constraint_param, bool(req.position_stats))
+                        req.constraint_param, bool(req.position_stats), req.messages,
+                        score_fields.scored_turns(req) if req.messages is not None else [], req.replies,
+                        req.include_end_of_turn is not False, req.logprob_token_ids)
 
 
 def tokenize(backend, req: ScoreRequest) -> list[ScoreItem]:
+    items = chat_scoring.tokenize(backend, req) if req.messages is not None else _tokenize_inputs(backend, req)
+    position_ids.check(backend, req.logprob_token_ids, items)
+    return items
+
+
+def _tokenize_inputs(backend, req: ScoreRequest) -> list[ScoreItem]:
     tok, info = backend.tokenizer, backend.info
     start_id = info.bos_token_id if info.bos_token_id is not None else info.eos_token_id
     items = []
@@ -94,7 +110,8 @@ def build_requests(backend, req: ScoreRequest, items: list[ScoreItem], request_i
                             residual_layers=residual_layers(backend, req.residual),
                             prompt_logprobs=-1 if req.constraint is not None else None,
                             position_stats=req.position_stats)
-    return [GenerationRequest(request_id, it.token_ids, params) for it in items]
+    return [GenerationRequest(request_id, it.token_ids, p)
+            for it, p in zip(items, position_ids.params_of(req.logprob_token_ids, items, params))]
 
 
 def format_response(backend, req: ScoreRequest, items: list[ScoreItem], requests: list[GenerationRequest],
@@ -119,7 +136,8 @@ def format_response(backend, req: ScoreRequest, items: list[ScoreItem], requests
         token_ranks = pc.ranks[sl].tolist()
         if item.first == 0:
             token_ranks[0] = None
-        entry = {"index": index, "tokens": shaped["tokens"], "token_ids": ids.tolist(),
+        turn = {} if item.message_index is None else {"message_index": item.message_index}
+        entry = {"index": index, **turn, "tokens": shaped["tokens"], "token_ids": ids.tolist(),
                  "token_logprobs": shaped["token_logprobs"], "token_ranks": token_ranks,
                  "text_offset": shaped["text_offset"]}
         if req.top_logprobs is not None:
@@ -134,6 +152,8 @@ def format_response(backend, req: ScoreRequest, items: list[ScoreItem], requests
             if item.first == 0:
                 entropy[0] = None  # nothing predicts the first token
             entry["position_stats"] = {"entropy": entropy}
+        if req.logprob_token_ids:
+            entry["logprob_token_ids"] = position_ids.block(req, index, pc.extras, sl, item.first == 0)
         if req.residual is not None:  # the input's tokens, in the order of the lists above
             entry["residual_stream"] = residual_of(backend, req.residual, out.choices[0], sl)
         data.append(entry)

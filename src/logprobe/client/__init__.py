@@ -4,8 +4,8 @@
 
 `dense_prompt_logprobs` turns the dense form of `prompt_logprobs: -1` into a [P, V] array;
 `whole_vocab_of_generated` runs the four steps of "Get the whole vocabulary for generated tokens";
-`score`, `residual_stream` and `compare` call /v1/score and /v1/compare and return numpy columns;
-`ScoreClient` (client/http.py) is the asynchronous client of /v1/score that retries, for many requests.
+`score`, `score_conversation`, `residual_stream` and `compare` call /v1/score and /v1/compare and return numpy
+columns; `ScoreClient` (client/http.py) is the asynchronous client of /v1/score that retries, for many requests.
 """
 
 from __future__ import annotations
@@ -131,14 +131,35 @@ class Score:
 
 
 def score(base_url: str, model: str, text, context=None, add_bos: bool = True, top_logprobs: int | None = None,
-          api_key: str | None = None, timeout: float = 600.0) -> list[Score]:
-    """POST /v1/score for one text or a list of texts; one `Score` per text, with numpy columns."""
+          api_key: str | None = None, timeout: float = 600.0, logprob_token_ids: list | None = None) -> list[Score]:
+    """POST /v1/score for one text or a list of texts; one `Score` per text, with numpy columns.
+    `logprob_token_ids`: ids read at every position, or one list per scored token (docs/api.md, 5.4);
+    each Score's `raw["logprob_token_ids"]` holds their numbers."""
     body = {"model": model, "input": text, "add_bos": add_bos}
     if context is not None:
         body["context"] = context
     if top_logprobs is not None:
         body["top_logprobs"] = top_logprobs
-    data = score_once(base_url, body, api_key, timeout)["data"]
+    if logprob_token_ids is not None:
+        body["logprob_token_ids"] = logprob_token_ids
+    return _scores(score_once(base_url, body, api_key, timeout)["data"])
+
+
+def score_conversation(base_url: str, model: str, messages: list[dict], replies: list[str] | None = None,
+                       score_messages: list[int] | None = None, include_end_of_turn: bool = True,
+                       api_key: str | None = None, timeout: float = 600.0, **fields) -> list[Score]:
+    """POST /v1/score with `messages`: the last assistant turn, the turns `score_messages` names, or each of
+    `replies` after the conversation (docs/api.md, 5.3); one `Score` per scored turn. `fields`: any other
+    field of /v1/score (top_logprobs, logprob_token_ids, position_stats...)."""
+    body = {"model": model, "messages": messages, "include_end_of_turn": include_end_of_turn, **fields}
+    if replies is not None:
+        body["replies"] = replies
+    if score_messages is not None:
+        body["score_messages"] = score_messages
+    return _scores(score_once(base_url, body, api_key, timeout)["data"])
+
+
+def _scores(data: list[dict]) -> list[Score]:
     return [Score(d["tokens"], np.asarray(d["token_ids"]),
                   np.array([np.nan if x is None else x for x in d["token_logprobs"]], dtype=np.float64),
                   np.array([0 if x is None else x for x in d["token_ranks"]], dtype=np.int64),

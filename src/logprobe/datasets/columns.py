@@ -3,8 +3,9 @@
 Always `id`, `num_tokens` (tokens scored: a context is conditioned on, not scored), `logprob` (their
 sum), `mean_logprob` and `perplexity` (exp(-mean); both null when no token was scored). `--tokens` adds
 per-token lists, `--top K` the k likeliest at each position, `--stats` the entropy (nats) of each
-position's distribution, `--skip-invalid` an `error` column. A list entry is null where nothing
-predicts the token (the first token without BOS or context).
+position's distribution, `--ids-column` the asked ids' `asked_logprobs` and `asked_ranks` (a list per
+scored token), `--skip-invalid` an `error` column. A list entry is null where nothing predicts the token
+(the first token without BOS or context).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ class ScoreOptions:
     stats: bool = False
     add_bos: bool = True
     skip_invalid: bool = False
+    asked: bool = False  # rows carry ids to read at each scored token (--ids-column)
 
 
 def schema(options: ScoreOptions):
@@ -39,6 +41,9 @@ def schema(options: ScoreOptions):
                    ("top_logprobs", pa.list_(pa.list_(pa.float64())))]
     if options.stats:
         fields.append(("entropy", pa.list_(pa.float64())))
+    if options.asked:
+        fields += [("asked_logprobs", pa.list_(pa.list_(pa.float64()))),
+                   ("asked_ranks", pa.list_(pa.list_(pa.int64())))]
     if options.skip_invalid:
         fields.append(("error", pa.string()))
     return pa.schema(fields)
@@ -71,4 +76,12 @@ def empty_record(row_id: str, options: ScoreOptions) -> dict:
         record.update(top_tokens=[], top_ids=[], top_logprobs=[])
     if options.stats:
         record["entropy"] = []
+    if options.asked:
+        record.update(asked_logprobs=[], asked_ranks=[])
     return record
+
+
+def asked_columns(entry: dict) -> dict:
+    """A /v1/score entry's asked ids' numbers as the record's columns."""
+    block = entry["logprob_token_ids"]
+    return {"asked_logprobs": block["logprobs"], "asked_ranks": block["ranks"]}

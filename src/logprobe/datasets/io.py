@@ -31,6 +31,13 @@ class Row:
     id: str
     text: str
     context: str | None = None
+    messages: list | None = None  # a conversation whose last assistant message is scored (`text` is its content)
+    asked_ids: list | None = None  # one list of token ids per scored token (logprob_token_ids)
+
+    @property
+    def scored(self) -> bool:
+        """Whether there is anything to score: a text, or a conversation."""
+        return bool(self.text) or self.messages is not None
 
 
 @dataclass
@@ -71,18 +78,26 @@ def format_of(path: str) -> str:
 
 
 def read_rows(path: str, column: str = "text", context_column: str | None = None,
-              id_column: str | None = None) -> list[Row]:
-    """The rows of a dataset file, checked: every text and context a string, ids unique."""
+              id_column: str | None = None, messages_column: str | None = None,
+              ids_column: str | None = None) -> list[Row]:
+    """The rows of a dataset file, checked: every text and context a string, ids unique; with
+    `messages_column` a conversation per row instead of a text, with `ids_column` a list of id lists."""
     require_data_extra()
     kind = format_of(path)
     if kind == "txt":
-        if context_column or id_column:
+        if context_column or id_column or messages_column or ids_column:
             raise DatasetError(f"{path}: a .txt file is one text a line; it has no columns to name")
         return [Row(i, str(i), text) for i, text in enumerate(_read_text_lines(path))]
     table = _read_table(path, kind)
     if not table:  # no row, so no column either: say so, not "no column 'text'"
         raise DatasetError(f"{path}: the file is empty: there are no rows to score")
-    return rows_of_columns(table, column or "text", context_column, id_column, where=path)
+    if messages_column is None:
+        rows = rows_of_columns(table, column or "text", context_column, id_column, where=path)
+    else:
+        rows = conversation_rows(table, messages_column, context_column, id_column, where=path)
+    if ids_column is not None:
+        add_asked_ids(rows, table, ids_column, where=path)
+    return rows
 
 
 def rows_of_columns(table: dict[str, list], column: str, context_column: str | None, id_column: str | None,
@@ -106,6 +121,57 @@ def rows_of_columns(table: dict[str, list], column: str, context_column: str | N
                                    "ids must be unique")
             seen[value] = i
     return [Row(i, row_id, text, ctx or None) for i, (row_id, text, ctx) in enumerate(zip(ids, texts, contexts))]
+
+
+def conversation_rows(table: dict[str, list], column: str, context_column: str | None, id_column: str | None,
+                      where: str = "the data") -> list[Row]:
+    """Rows of conversations (--messages-column): each cell an array of {"role", "content"} messages (a
+    JSON text in a CSV); `text` is the content of the last assistant message, the one scored."""
+    if context_column:
+        raise DatasetError("--context-column is for texts: a conversation (--messages-column) is its own context")
+    if column not in table:
+        raise DatasetError(f"{where}: no column {column!r} (--messages-column); the columns are: "
+                           f"{', '.join(map(repr, table)) or '(none)'}")
+    conversations = [_json_cell(cell, i, column, where, "an array of messages") for i, cell in enumerate(table[column])]
+    for i, conversation in enumerate(conversations):
+        if not all(isinstance(m, dict) for m in conversation):
+            raise DatasetError(f"{where}: row {i} of column {column!r} is not an array of messages "
+                               "({\"role\": ..., \"content\": ...} objects)")
+    last = [next((m.get("content") for m in reversed(c) if m.get("role") == "assistant"), None) for c in conversations]
+    texts = [content if isinstance(content, str) else "" for content in last]
+    rows = rows_of_columns({**table, column: texts}, column, None, id_column, where)
+    for row, conversation in zip(rows, conversations):
+        row.messages = conversation
+    return rows
+
+
+def add_asked_ids(rows: list[Row], table: dict[str, list], column: str, where: str = "the data") -> None:
+    """--ids-column: each row's token ids to read at each scored token, an array of id arrays (a JSON text
+    in a CSV), one for every scored token."""
+    if column not in table:
+        raise DatasetError(f"{where}: no column {column!r} (--ids-column); the columns are: "
+                           f"{', '.join(map(repr, table)) or '(none)'}")
+    for row, cell in zip(rows, table[column]):
+        lists = _json_cell(cell, row.index, column, where, "an array of token-id arrays")
+        if not all(isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+                   for ids in lists):
+            raise DatasetError(f"{where}: row {row.index} of column {column!r} is not an array of token-id arrays "
+                               "(one array of ids per scored token)")
+        row.asked_ids = lists
+
+
+def _json_cell(cell, index: int, name: str, where: str, expected: str) -> list:
+    """A cell holding an array: itself (JSONL, Parquet) or a JSON text of it (CSV)."""
+    if isinstance(cell, str):
+        try:
+            cell = json.loads(cell)
+        except ValueError:
+            raise DatasetError(f"{where}: row {index} of column {name!r} is text that is not JSON; expected "
+                               f"{expected}") from None
+    if not isinstance(cell, list):
+        kind = "null" if cell is None else type(cell).__name__
+        raise DatasetError(f"{where}: row {index} of column {name!r} is {kind}; expected {expected}")
+    return cell
 
 
 def _checked_texts(cells: list, name: str, where: str, allow_null: bool = False) -> list:

@@ -35,6 +35,8 @@ class ReadOptions:
     column: str = "text"
     context_column: str | None = None
     id_column: str | None = None
+    messages_column: str | None = None
+    ids_column: str | None = None
 
 
 def chunks(prepared: list, max_rows: int = 256, max_tokens: int = 32_768) -> list[list]:
@@ -96,7 +98,7 @@ def run(input_path: str, output_path: str, scorer, options: columns.ScoreOptions
     out_dir = os.path.dirname(os.path.abspath(output_path))
     if not os.path.isdir(out_dir):
         raise DatasetError(f"cannot write {output_path}: no directory {out_dir}")
-    rows = read_rows(input_path, read_opts.column, read_opts.context_column, read_opts.id_column)
+    rows = read_rows(input_path, **dataclasses.asdict(read_opts))
     if not rows:
         write_table(columns.to_table([], options), output_path, out_format)
         return 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 
 from ..client.http import ScoreClient, ServerError
-from .columns import ScoreOptions, empty_record, error_record, summary, to_table
+from .columns import ScoreOptions, asked_columns, empty_record, error_record, summary, to_table
 from .io import DatasetError, Prepared, Row
 from .job import run_sync
 
@@ -21,9 +21,10 @@ from .job import run_sync
 class RemoteRefused(DatasetError):
     """A server refused a request for a reason that a retry cannot fix."""
 
-    def __init__(self, message: str, code: str | None = None):
+    def __init__(self, message: str, code: str | None = None, status: int | None = None):
         super().__init__(message)
         self.code = code
+        self.status = status
 
 
 class RemoteScorer:
@@ -66,8 +67,9 @@ class RemoteScorer:
         """Records of prepared rows, in the given order; `on_rows(rows, tokens)` as each request's rows
         come back."""
         rows = [p.row for p in prepared]
-        todo = sorted((r for r in rows if r.text), key=lambda r: (r.context or "", len(r.text)))
+        todo = sorted((r for r in rows if r.text and r.messages is None), key=lambda r: (r.context or "", len(r.text)))
         batches = [todo[i:i + self.batch_rows] for i in range(0, len(todo), self.batch_rows)]
+        batches += [[r] for r in rows if r.messages is not None]  # a conversation a request
         gate = asyncio.Semaphore(self.concurrency)
         async with ScoreClient(self.urls, self.api_key, self._served, self.max_attempts,
                                transport=self._transport) as client:
@@ -87,7 +89,7 @@ class RemoteScorer:
                 raise (RemoteRefused(exc.message, exc.code) if exc.status is not None
                        else DatasetError(exc.message)) from None
             self._served = client.model
-        empty = [row for row in rows if not row.text]
+        empty = [row for row in rows if not row.scored]
         for row in empty:
             records[row.index] = empty_record(row.id, self.options)
         if empty and on_rows is not None:
@@ -104,10 +106,17 @@ class RemoteScorer:
             body["top_logprobs"] = self.options.top
         if self.options.stats:
             body["position_stats"] = True
+        if self.options.asked:
+            body["logprob_token_ids"] = [r.asked_ids for r in batch]
+        if batch[0].messages is not None:
+            del body["input"]
+            body["messages"] = batch[0].messages
         try:
             data = (await client.score(body))["data"]
         except ServerError as exc:
-            if not (self.options.skip_invalid and exc.code == "context_length_exceeded"):
+            # a row's own fault (its length; a conversation's or its ids' shape) is its error, with --skip-invalid
+            own = exc.code == "context_length_exceeded" or (len(batch) == 1 and exc.status == 400)
+            if not (self.options.skip_invalid and own):
                 raise
             if len(batch) == 1:
                 return [error_record(batch[0].id, exc.message)]
@@ -150,6 +159,8 @@ class RemoteScorer:
             record.update(top_ids=ids, top_logprobs=values)
         if self.options.stats:
             record["entropy"] = entry["position_stats"]["entropy"]
+        if self.options.asked:
+            record.update(asked_columns(entry))
         return record
 
 

@@ -8,6 +8,7 @@ table read back from any output file (`pyarrow.parquet.read_table("out.parquet")
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pyarrow as pa
@@ -179,5 +180,5 @@ def summarize_job(output_path: str, options, input_path: str, read_opts, plot_pa
         if not quiet:
             print(f"logprobe score: a histogram of {drawn} rows' perplexity written to {plot_path}", file=sys.stderr)
     if with_report:
-        rows = read_rows(input_path, read_opts.column, read_opts.context_column, read_opts.id_column)
+        rows = read_rows(input_path, **dataclasses.asdict(read_opts))
         print(format_report(table, texts={row.id: row.text for row in rows}))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .columns import ScoreOptions, empty_record, error_record, summary, to_table
+from .columns import ScoreOptions, asked_columns, empty_record, error_record, summary, to_table
 from .io import DatasetError, Prepared, Row
 from .job import run_sync
 from .remote import RemoteScorer  # noqa: F401  (scorer.RemoteScorer is part of this module's interface)
@@ -70,11 +70,11 @@ class InProcessScorer:
 
         out = []
         for row in rows:
-            if not row.text:
+            if not row.scored:
                 out.append(Prepared(row))
                 continue
             try:
-                checked = self.pipeline.check(SCORE, self._body(row), "dataset")
+                checked = self.pipeline.check(SCORE, row_body(row, self.model_name, self.options), "dataset")
             except APIError as exc:
                 out.append(Prepared(row, error=exc.message))
                 continue
@@ -119,16 +119,6 @@ class InProcessScorer:
         return to_table(run_sync(self.run(prepared)), self.options)
 
     # ---- helpers ------------------------------------------------------------------------------
-    def _body(self, row: Row) -> dict:
-        """The /v1/score body of one row."""
-        body = {"model": self.model_name, "input": row.text, "add_bos": self.options.add_bos,
-                "position_stats": self.options.stats}
-        if row.context:
-            body["context"] = row.context
-        if self.options.top:
-            body["top_logprobs"] = self.options.top
-        return body
-
     def _record(self, p: Prepared, entry: dict, columns) -> dict:
         """One row's record from its /v1/score entry and, for top-k and entropy, the engine's columns."""
         opts, item = self.options, p.item.prepared[0]
@@ -150,4 +140,22 @@ class InProcessScorer:
                     record[name][0] = None
         if opts.stats:
             record["entropy"] = entry["position_stats"]["entropy"]
+        if opts.asked:
+            record.update(asked_columns(entry))
         return record
+
+
+def row_body(row: Row, model: str, options: ScoreOptions) -> dict:
+    """The /v1/score body of one row: its text and context, or its conversation; its asked ids."""
+    body = {"model": model, "add_bos": options.add_bos, "position_stats": options.stats}
+    if options.top:
+        body["top_logprobs"] = options.top
+    if row.messages is not None:
+        body["messages"] = row.messages
+    else:
+        body["input"] = row.text
+        if row.context:
+            body["context"] = row.context
+    if row.asked_ids is not None:
+        body["logprob_token_ids"] = [row.asked_ids]
+    return body

@@ -10,7 +10,8 @@ from ...config import Limits
 from .. import validation as v
 from ..errors import InvalidRequest
 from .base import RequestModel, check, parses
-from .completions import Prompt, TopLogprobs, all_ints, prompt_list
+from . import score_fields
+from .completions import ChatBody, Message, Prompt, TopLogprobs, all_ints, prompt_list
 from .constraints import ConstraintFields, ResponseFormatField, StructuredOutputsField
 from .sampling import ResidualStream, SamplingFields, TokensAsIds, User
 
@@ -21,10 +22,13 @@ class ScoreBody(ConstraintFields):
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
         {"model": "smollm2-135m", "input": "a stitch in time saves nine", "top_logprobs": 2},
         {"model": "smollm2-135m", "context": "Question: 2 + 2 = ?\nAnswer:", "input": [" 4", " 5"]},
+        {"model": "smollm2-135m", "messages": [{"role": "user", "content": "What is 2 + 2?"}],
+         "replies": ["4", "5"]},
     ]})
 
     model: str = Field(..., description="The model's name or one of its aliases.")
-    input: Prompt = Field(..., description="The text(s) or token ids to score (cap: --max-prompts).")
+    input: Prompt | None = Field(None, description="The text(s) or token ids to score (cap: --max-prompts); "
+                                 "required unless `messages` is sent.")
     context: str | list[str] | None = Field(None, description="Conditioned on but not scored: one for every "
                                             "input, or one per input.")
     user: User
@@ -40,12 +44,33 @@ class ScoreBody(ConstraintFields):
                                                  "with structured_outputs.")
     structured_outputs: StructuredOutputsField = Field(description="Score under this constraint (as for "
                                                        "completions).")
+    messages: list[Message] | None = Field(None, description="A conversation, rendered by the model's chat "
+                                           "template as /v1/chat/completions renders it, instead of `input`: "
+                                           "its assistant turns are scored.")
+    score_messages: list[int] | None = Field(None, description="The indices of the assistant messages scored, "
+                                             "one entry each (default: the last assistant message).")
+    replies: list[str] | None = Field(None, description="Candidate contents of the assistant turn after "
+                                      "`messages`, one entry each; they share the conversation's pass.")
+    include_end_of_turn: bool | None = Field(True, description="With `messages`: score the template's "
+                                             "end-of-turn token after each scored reply too.")
+    logprob_token_ids: list[int] | list[list[int]] | list[list[list[int]]] | None = Field(
+        None, description="These ids' log probabilities and ranks at every scored position, or one list of ids "
+        "per scored position (per entry: [[[...]]]); caps: max_logprob_token_ids at a position, "
+        "max_position_token_ids in all.")
 
     parse_residual = staticmethod(SamplingFields.parse_residual)
 
     @parses("input")
-    def parse_input(value, limits: Limits) -> list:
-        return prompt_list(value, "input")
+    def parse_input(value, limits: Limits) -> list | None:
+        return None if value is None else prompt_list(value, "input")
+
+    @parses("messages")
+    def parse_messages(value, limits: Limits) -> list[dict] | None:
+        return None if value is None else ChatBody.parsers()["messages"](value, limits)
+
+    parse_score_messages = parses("score_messages")(score_fields.parse_indices)
+    parse_replies = parses("replies")(score_fields.parse_replies)
+    parse_logprob_token_ids = parses("logprob_token_ids")(score_fields.parse_asked_ids)
 
     @parses("context")
     def parse_context(value, limits: Limits) -> list[str] | str | None:
@@ -55,7 +80,15 @@ class ScoreBody(ConstraintFields):
         raise v.type_error("context", "a string or an array of strings")
 
     @check
+    def check_conversation(self, limits: Limits) -> None:
+        score_fields.check_conversation(self, limits)
+        score_fields.check_entry_lists(self, len(self.input) if self.messages is None
+                                       else len(score_fields.scored_turns(self)))
+
+    @check
     def check_contexts(self, limits: Limits) -> None:
+        if self.messages is not None:
+            return
         if isinstance(self.context, list) and len(self.context) != len(self.input):
             raise InvalidRequest(f"Invalid value for 'context': {len(self.context)} contexts for {len(self.input)} "
                                  "inputs; send one context, or one per input.", "context")
@@ -68,7 +101,7 @@ class ScoreBody(ConstraintFields):
         """One context per input."""
         if isinstance(self.context, list):
             return list(self.context)
-        return [self.context] * len(self.input)
+        return [self.context] * len(self.input or [])
 
 
 class CompareBody(RequestModel):

@@ -91,6 +91,10 @@ def new_prompt_extras(num: int, params: SamplingParams, vocab: int) -> PositionC
         extras.token_ids = np.asarray(params.logprob_token_ids, dtype=np.int64)
         extras.token_id_logprobs = np.full((num, num_ids), np.nan, dtype=np.float32)
         extras.token_id_ranks = np.zeros((num, num_ids), dtype=np.int64)
+    elif params.position_token_ids:
+        extras.position_ids = position_id_matrix(params.position_token_ids, num)
+        extras.token_id_logprobs = np.full(extras.position_ids.shape, np.nan, dtype=np.float32)
+        extras.token_id_ranks = np.zeros(extras.position_ids.shape, dtype=np.int64)
     if params.position_stats:
         extras.entropy = np.full(num, np.nan, dtype=np.float32)
     if params.top_logprobs_p is not None:
@@ -104,11 +108,25 @@ def new_prompt_extras(num: int, params: SamplingParams, vocab: int) -> PositionC
     return extras
 
 
+def position_id_matrix(per_position: tuple[tuple[int, ...], ...], num: int) -> np.ndarray:
+    """[num, widest list] int64: row i holds prompt position i's asked ids, padded with id 0 (its numbers are
+    computed and never reported: the API reads each row's own count)."""
+    width = max(1, max((len(ids) for ids in per_position), default=0))
+    out = np.zeros((num, width), dtype=np.int64)
+    for i, ids in enumerate(per_position[:num]):
+        out[i, :len(ids)] = ids
+    return out
+
+
 def fill_prompt_extras(extras: PositionColumns, logprob_rows: torch.Tensor, rows: slice) -> None:
     """Reduce one chunk of prompt distributions (logprob_rows [C, V], describing positions `rows`) on the device."""
-    if extras.token_ids is not None:
-        ids = torch.as_tensor(extras.token_ids, device=logprob_rows.device)
-        values = logprob_rows[:, ids]
+    if extras.token_ids is not None or extras.position_ids is not None:
+        if extras.position_ids is not None:  # each row its own ids: one gather
+            ids = torch.as_tensor(extras.position_ids[rows], device=logprob_rows.device)
+            values = logprob_rows.gather(1, ids)
+        else:
+            ids = torch.as_tensor(extras.token_ids, device=logprob_rows.device)
+            values = logprob_rows[:, ids]
         extras.token_id_logprobs[rows] = values.cpu().numpy()
         extras.token_id_ranks[rows] = ranks_of(logprob_rows, values).cpu().numpy()
     if extras.entropy is not None:

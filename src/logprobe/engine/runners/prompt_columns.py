@@ -94,7 +94,7 @@ def copy_rows(source: PromptColumns, target: PromptColumns, start: int, stop: in
             getattr(target, name)[start:stop] = array[start:stop]
     if source.extras is not None:
         for name, array in vars(source.extras).items():
-            if isinstance(array, np.ndarray) and name != "token_ids":
+            if isinstance(array, np.ndarray) and name not in ("token_ids", "position_ids"):
                 getattr(target.extras, name)[start:stop] = array[start:stop]
 
 

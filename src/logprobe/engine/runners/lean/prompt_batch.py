@@ -100,7 +100,8 @@ class PromptBatches:
                 by_shape.setdefault(column_shape(g.params), []).append(row)
         for rows in by_shape.values():
             params = groups[rows[0]].params
-            if len(rows) == 1 or params.prompt_logprobs == -1:  # the whole vocabulary: bounded per prompt
+            # the whole vocabulary: bounded per prompt; ids per position: rows of each prompt's own
+            if len(rows) == 1 or params.prompt_logprobs == -1 or params.position_token_ids:
                 for row in rows:
                     n = lengths[row]
                     groups[row].prompt_columns = runner.columns.whole(hidden[row, :n], ids[row, :n], params)
@@ -268,7 +269,7 @@ class Seeds:
 def column_shape(params) -> tuple:
     """What a prompt's columns hold (PromptColumnWriter.new): prompts alike in this fill one set together."""
     return (params.num_prompt_top, params.prompt_logprobs == -1, tuple(params.logprob_token_ids),
-            params.position_stats, params.top_logprobs_p, params.max_top_p_tokens)
+            params.position_stats, params.top_logprobs_p, params.max_top_p_tokens, params.position_token_ids)
 
 
 def copy_shifted(source: PromptColumns, start: int, target: PromptColumns, count: int) -> None:
@@ -277,7 +278,7 @@ def copy_shifted(source: PromptColumns, start: int, target: PromptColumns, count
         getattr(target, name)[1:1 + count] = getattr(source, name)[start:start + count]
     if source.extras is not None:
         for name, array in vars(source.extras).items():
-            if isinstance(array, np.ndarray) and name != "token_ids":
+            if isinstance(array, np.ndarray) and name not in ("token_ids", "position_ids"):
                 getattr(target.extras, name)[1:1 + count] = array[start:start + count]
 
 

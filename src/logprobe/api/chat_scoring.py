@@ -1,0 +1,90 @@
+"""/v1/score on a conversation: `messages` rendered by the model's chat template as /v1/chat/completions
+renders them, and only the tokens of the assistant turns named scored (docs/api.md, section 5.3).
+
+The whole conversation is rendered and tokenized once, as chat does (the template writes the special
+tokens). A turn's reply is found by text, then by token: the conversation before it, rendered with the
+generation prompt (what chat would send the model before that reply), must be where the full rendering
+begins, and the reply's content must follow; its first character must begin a token and its last end one
+(each token's offset in the rendered text, from the token table's bytes). A template whose tokens merge
+the reply with the text around it is refused rather than guessed. The template's end-of-turn token after
+the content is scored too (`include_end_of_turn`), when it is one of the model's stop tokens.
+
+An entry's prompt is the rendering up to the end of its scored turn, so the turns of one conversation and
+the replies to it begin with the same tokens, and the engine runs that common prefix once for all of
+them (engine/runners/lean/prompt_batch.py: a shared prefix, or the prefix cache).
+"""
+
+from __future__ import annotations
+
+from ..tokens import TextAssembler
+from .caps import check_text_length
+from .chat import render
+from .errors import InvalidRequest
+
+
+def conversations(req) -> list[tuple[list[dict], int]]:
+    """(the conversation rendered, the index of the turn scored in it) for each entry."""
+    if req.replies is not None:
+        return [(req.messages + [{"role": "assistant", "content": r}], len(req.messages)) for r in req.replies]
+    return [(req.messages, i) for i in req.scored_turns]
+
+
+class Rendered:
+    """One conversation rendered and tokenized, with each token's character offset in the rendering."""
+
+    def __init__(self, backend, messages: list[dict]):
+        self.text = render(backend, messages, False)
+        self.ids = backend.tokenizer(self.text, add_special_tokens=False).input_ids
+        asm = TextAssembler(backend.table)
+        for t in self.ids:
+            asm.add(t, special_text=True)
+        asm.finish()
+        if asm.text != self.text:
+            raise InvalidRequest("The model's tokens do not spell the rendered conversation again, so the reply's "
+                                 "tokens cannot be located; score the rendered text with 'input' instead.",
+                                 "messages")
+        self.start_of = {offset: i for i, offset in reversed(list(enumerate(asm.offsets)))}  # first token there
+
+    def token_at(self, offset: int, what: str, index: int) -> int:
+        """The index of the token that begins at character `offset` (len(ids) at the end of the text)."""
+        if offset == len(self.text):
+            return len(self.ids)
+        if offset not in self.start_of:
+            raise InvalidRequest(f"The chat template's tokens run across the {what} of messages[{index}]'s "
+                                 "content (a token holds text on both sides), so its tokens cannot be scored "
+                                 "alone; change the content's first or last characters, or score the rendered "
+                                 "text with 'input'.", "messages")
+        return self.start_of[offset]
+
+
+def tokenize(backend, req) -> list:
+    """One ScoreItem per scored turn (api/scoring.py): its conversation's tokens up to the turn's end, and
+    where the turn's tokens begin."""
+    from .scoring import ScoreItem
+
+    if not backend.info.has_chat_template:
+        raise InvalidRequest("This model has no chat template, so /v1/score cannot render 'messages'. Score the "
+                             "text with 'input', or start the server with --chat-template FILE (a Jinja "
+                             "template).", "messages")
+    check_text_length(backend, [m["content"] for m in req.messages] + list(req.replies or []), "messages")
+    items, renderings = [], {}
+    for messages, index in conversations(req):
+        key = id(messages)
+        if key not in renderings:
+            renderings[key] = Rendered(backend, messages)
+        full = renderings[key]
+        before = render(backend, messages[:index], True)
+        content = messages[index]["content"]
+        if not full.text.startswith(before) or full.text.find(content, len(before)) != len(before):
+            raise InvalidRequest(f"The model's chat template does not render messages[{index}] as a reply after "
+                                 "the conversation before it (as /v1/chat/completions would prompt for it), so "
+                                 "its tokens cannot be located.", "messages")
+        first = full.token_at(len(before), "start", index)
+        stop = full.token_at(len(before) + len(content), "end", index)
+        if req.include_end_of_turn and stop < len(full.ids) and full.ids[stop] in backend.info.stop_token_ids:
+            stop += 1
+        if stop == first:
+            raise InvalidRequest(f"Invalid value for 'messages': messages[{index}] has no tokens to score.",
+                                 "messages")
+        items.append(ScoreItem(list(full.ids[:stop]), first, content, message_index=index))
+    return items

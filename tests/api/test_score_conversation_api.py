@@ -1,0 +1,87 @@
+"""/v1/score's conversation fields (`messages`, `score_messages`, `replies`, `include_end_of_turn`) and
+per-position `logprob_token_ids`: shapes and every refusal (a 400 naming the field, before any work), on the
+fake backend."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from fastapi.testclient import TestClient
+
+from fake_backend import FakeBackend
+from logprobe.api.app import create_app
+from logprobe.config import Limits
+
+CHAT = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "See you."}]
+
+
+def refused(client, body: dict, param: str, words: str) -> None:
+    r = client.post("/v1/score", json={"model": "tiny", **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param, error
+    assert words in error["message"], error["message"]
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({}, "input", "Missing required parameter: 'input'."),
+    ({"input": "a", "messages": CHAT}, "input", "'input' and 'messages' cannot be combined"),
+    ({"context": "a", "messages": CHAT}, "context", "'context' and 'messages' cannot be combined"),
+    ({"input": "a", "score_messages": [1]}, "score_messages", "'score_messages' needs 'messages'"),
+    ({"input": "a", "replies": ["x"]}, "replies", "'replies' needs 'messages'"),
+    ({"messages": CHAT, "replies": ["x"], "score_messages": [1]}, "score_messages", "cannot be combined"),
+    ({"messages": CHAT[:1]}, "messages", "no assistant message to score"),
+    ({"messages": CHAT, "score_messages": [2]}, "score_messages", "messages[2] is a user message, not an assistant"),
+    ({"messages": CHAT, "score_messages": [4]}, "score_messages", "4 is not a message index"),
+    ({"messages": CHAT, "score_messages": [1, 1]}, "score_messages", "each message index once"),
+    ({"messages": CHAT, "score_messages": []}, "score_messages", "non-empty"),
+    ({"messages": CHAT, "score_messages": "1"}, "score_messages", "Invalid type for 'score_messages'"),
+    ({"messages": CHAT, "replies": []}, "replies", "non-empty"),
+    ({"messages": CHAT, "replies": [1]}, "replies", "Invalid type for 'replies'"),
+    ({"messages": CHAT, "replies": ["x"] * 257}, "replies", "Too many replies"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages", "messages[0].role"),
+    ({"messages": CHAT, "structured_outputs": {"regex": "a"}}, "structured_outputs", "not offered with 'messages'"),
+    ({"messages": CHAT, "include_end_of_turn": "yes"}, "include_end_of_turn", "include_end_of_turn"),
+    ({"input": "a", "logprob_token_ids": "1"}, "logprob_token_ids", "Invalid type for 'logprob_token_ids'"),
+    ({"input": "a", "logprob_token_ids": [[1], 2]}, "logprob_token_ids", "Invalid type for 'logprob_token_ids'"),
+    ({"input": "a", "logprob_token_ids": [[[1]], [2]]}, "logprob_token_ids", "Invalid type"),
+    ({"input": "a", "logprob_token_ids": list(range(129))}, "logprob_token_ids", "at most 128 at one position"),
+    ({"input": "a", "logprob_token_ids": [list(range(129))]}, "logprob_token_ids", "at most 128 at one position"),
+    ({"input": "a", "logprob_token_ids": [[1]] * 32_769}, "logprob_token_ids", "at most 32768 in one request"),
+    ({"input": ["a", "b"], "logprob_token_ids": [[[1]]]}, "logprob_token_ids", "1 lists of positions for 2"),
+    ({"messages": CHAT, "score_messages": [1, 3], "logprob_token_ids": [[1]]}, "logprob_token_ids",
+     "1 lists of positions for 2"),
+    ({"input": "abc", "logprob_token_ids": [[1], [2]]}, "logprob_token_ids", "entry 0 scores"),
+    ({"input": "a", "logprob_token_ids": [[49152]]}, "logprob_token_ids", "token id 49152 is outside"),
+])
+def test_refusals(fake_client, body, param, words):
+    refused(fake_client, body, param, words)
+
+
+def test_without_a_chat_template(tokenizer):
+    bare = copy.deepcopy(tokenizer)
+    bare.chat_template = None
+    backend = FakeBackend(bare, name="bare", aliases=(), num_layers=2, d_model=64, context_length=256)
+    with TestClient(create_app(backend, Limits()), raise_server_exceptions=False) as c:
+        r = c.post("/v1/score", json={"model": "bare", "messages": CHAT})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+        assert "no chat template" in r.json()["error"]["message"]
+
+
+def test_shapes(fake_client, tokenizer):
+    out = fake_client.post("/v1/score", json={"model": "tiny", "messages": CHAT, "score_messages": [1, 3]}).json()
+    assert [e["index"] for e in out["data"]] == [0, 1] and [e["message_index"] for e in out["data"]] == [1, 3]
+    for entry, content in zip(out["data"], ("Hello!", "See you.")):
+        assert entry["token_ids"][:-1] == tokenizer(content, add_special_tokens=False).input_ids
+        assert entry["tokens"][-1] == "<|im_end|>" and entry["num_tokens"] == len(entry["token_ids"])
+    replies = fake_client.post("/v1/score", json={"model": "tiny", "messages": CHAT[:3], "replies": ["A", "B b"],
+                                                  "include_end_of_turn": False}).json()["data"]
+    assert [e["message_index"] for e in replies] == [3, 3]
+    assert [e["token_ids"] for e in replies] == [tokenizer(r, add_special_tokens=False).input_ids for r in ("A", "B b")]
+    asked = [[5], [], [7, 8, 9]]
+    ids = fake_client.post("/v1/score", json={"model": "tiny", "input": [40, 41, 42], "add_bos": False,
+                                              "logprob_token_ids": asked}).json()["data"][0]["logprob_token_ids"]
+    assert ids["token_ids"] == asked and ids["logprobs"][0] is None and ids["ranks"][0] is None
+    assert [len(x) for x in ids["logprobs"][1:]] == [0, 3] and [len(x) for x in ids["ranks"][1:]] == [0, 3]
