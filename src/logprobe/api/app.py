@@ -168,7 +168,7 @@ class Gate:
         access_log.info(orjson.dumps(line).decode())
 
 
-KNOWN_PATHS = {"/v1/completions", "/v1/chat/completions", "/v1/score", "/v1/compare", "/v1/models", "/tokenize",
+KNOWN_PATHS = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/score", "/v1/compare", "/v1/models", "/tokenize",
                "/detokenize", "/tokenizer_info", "/health", "/metrics", "/", "/v1/files", "/v1/batches"}
 
 

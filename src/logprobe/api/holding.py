@@ -171,9 +171,11 @@ async def run_held_jobs(request: Request, jobs: list[tuple]):
     return hold, results
 
 
-def stream_held(request: Request, backend, requests, hold, k: int, format_deltas, final_chunks) -> StreamingResponse:
+def stream_held(request: Request, backend, requests, hold, k: int, format_deltas, final_chunks,
+                **framing) -> StreamingResponse:
     """The streamed answer of requests already admitted (`hold`): SSE chunks as the backend releases
-    tokens; the hold is given back, and the usage recorded, when the stream ends however it ends."""
+    tokens; the hold is given back, and the usage recorded, when the stream ends however it ends.
+    `framing`: stream_sse's `error_event` and `done`, for a route whose stream ends its own way."""
     usage = {"completion": 0, "lost": False}
 
     def on_end(end, released, lost):
@@ -181,7 +183,7 @@ def stream_held(request: Request, backend, requests, hold, k: int, format_deltas
         usage["lost"] = lost
 
     gen = stream_sse(backend, requests, k, request.state.request_id, format_deltas, final_chunks,
-                     timeout=request.app.state.settings.request_timeout or None, on_end=on_end)
+                     timeout=request.app.state.settings.request_timeout or None, on_end=on_end, **framing)
     return HeldStream(gen, lambda: release(request, hold, requests, usage["completion"], usage["lost"]),
                       media_type="text/event-stream",
                       headers={"cache-control": "no-cache", "x-accel-buffering": "no", **hold.headers})

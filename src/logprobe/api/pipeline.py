@@ -126,7 +126,8 @@ class Endpoint:
         check_caps(target, req, prepared, limits)      context and size caps (400)
         build_requests(target, req, prepared, request_id) -> list[GenerationRequest]
         format_response(target, req, prepared, requests, outputs) -> (payload, Parts or None)
-        stream_formatters(target, req, prepared, requests) -> (format_deltas, final_chunks)
+        stream_formatters(target, req, prepared, requests) -> (format_deltas, final_chunks[, framing])
+                                                       (framing: streaming.stream_sse's keywords)
     """
 
     parse: Callable[[dict, Limits], Any]
@@ -162,9 +163,10 @@ async def serve(request: Request, endpoint: Endpoint) -> Response:
     """Run a POST route's steps. Nothing is held or queued before every check has passed."""
     req, target, prepared, requests = await prepare(request, endpoint, await read_json(request))
     if endpoint.stream_formatters is not None and req.stream:
-        format_deltas, final_chunks = endpoint.stream_formatters(target, req, prepared, requests)
+        format_deltas, final_chunks, *framing = endpoint.stream_formatters(target, req, prepared, requests)
         hold = await admit(request, requests)
-        return stream_held(request, target, requests, hold, req.params.logprobs or 0, format_deltas, final_chunks)
+        return stream_held(request, target, requests, hold, req.params.logprobs or 0, format_deltas, final_chunks,
+                           **(framing[0] if framing else {}))
     hold, outputs, payload, parts = await run_and_format(request, endpoint, req, target, prepared, requests)
     return with_headers(await body_response(payload, parts, endpoint.whole_vocab(req), outputs), hold.headers)
 

@@ -26,13 +26,21 @@ def sse(payload) -> bytes:
 async def stream_sse(backend, requests: list[GenerationRequest], k: int, request_id: str,
                      format_deltas: Callable[[list[Delta]], list[bytes]],
                      final_chunks: Callable[[StreamEnd], list[bytes]], timeout: float | None = None,
-                     on_end: Callable[[StreamEnd | None, int, bool], None] | None = None) -> AsyncIterator[bytes]:
+                     on_end: Callable[[StreamEnd | None, int, bool], None] | None = None,
+                     error_event: Callable[[APIError], bytes] | None = None,
+                     done: bytes | None = DONE) -> AsyncIterator[bytes]:
     """Run requests on the backend and yield SSE bytes: formatted deltas as they come, then
-    `final_chunks(end)` and `[DONE]`. A backend error becomes an error event (BackendUnavailable: 503's
-    envelope). If the client goes away (this generator is closed or cancelled) or the stream runs past
+    `final_chunks(end)` and `done` (`[DONE]`; None: nothing, as the Responses API ends). A backend error
+    becomes an error event: the error envelope in a `data:` line (BackendUnavailable: 503's), or what
+    `error_event(error)` writes. If the client goes away (this generator is closed or cancelled) or the stream runs past
     `timeout` seconds, the backend's stream is closed, which aborts the requests; a time-out ends with
     an error event. `on_end(end or None, tokens released, lost)` is called once, however the stream ends
     (`lost`: the backend lost the requests, BackendUnavailable)."""
+    def error_chunk(err: APIError) -> bytes:
+        if error_event is not None:
+            return error_event(err)
+        return b"data: " + error_body(err.message, err.type, err.param, err.code, request_id) + b"\n\n"
+
     loop = asyncio.get_running_loop()
     deadline = None if timeout is None else loop.time() + timeout
     events = backend.stream(requests, k)
@@ -56,17 +64,16 @@ async def stream_sse(backend, requests: list[GenerationRequest], k: int, request
         for chunk in final_chunks(end):
             yield chunk
     except APIError as exc:
-        yield b"data: " + error_body(exc.message, exc.type, exc.param, exc.code, request_id) + b"\n\n"
+        yield error_chunk(exc)
     except BackendUnavailable as exc:
         lost = True
-        err = Unavailable(str(exc) or "The model replica serving this request went away; try again.")
-        yield b"data: " + error_body(err.message, err.type, err.param, err.code, request_id) + b"\n\n"
+        yield error_chunk(Unavailable(str(exc) or "The model replica serving this request went away; try again."))
     except Exception:
         log.exception("stream failed (%s)", request_id)
-        err = InternalError("The server had an error while processing your request.")
-        yield b"data: " + error_body(err.message, err.type, err.param, err.code, request_id) + b"\n\n"
+        yield error_chunk(InternalError("The server had an error while processing your request."))
     finally:
         await events.aclose()
         if on_end is not None:
             on_end(end, released, lost)
-    yield DONE
+    if done is not None:
+        yield done

@@ -91,7 +91,7 @@ def refuse_removed_fields(body: dict) -> None:
                                  "(docs/api.md, Constrained decoding).", name)
 
 
-def _schema_text(schema: Any, param: str, options: dict | None = None) -> str:
+def schema_text(schema: Any, param: str, options: dict | None = None) -> str:
     """A JSON schema as compact JSON text, key order kept (llguidance writes an object's properties in
     the schema's order); `options` go into its `x-guidance` object (llguidance's JSON options)."""
     if isinstance(schema, str):
@@ -152,7 +152,7 @@ def response_format_constraint(value) -> Constraint | None:
     if schema is None:
         schema = {}  # OpenAI: no schema is the empty one, which any JSON value meets
     param = where + ".schema"
-    return checked(Constraint("json_schema", _schema_text(schema, param)), param)
+    return checked(Constraint("json_schema", schema_text(schema, param)), param)
 
 
 def structured_outputs_constraint(value) -> Constraint | None:
@@ -172,12 +172,12 @@ def structured_outputs_constraint(value) -> Constraint | None:
     options = _json_options(value, key)
     item = value[key]
     if key == "json":
-        return checked(Constraint("json_schema", _schema_text(item, param, options)), param)
+        return checked(Constraint("json_schema", schema_text(item, param, options)), param)
     if key == "json_object":
         if item is not True:
             raise v.type_error(param, "a boolean")
         if options:
-            return checked(Constraint("json_schema", _schema_text({"type": "object"}, param, options)), param)
+            return checked(Constraint("json_schema", schema_text({"type": "object"}, param, options)), param)
         return Constraint("json_object", "")
     if key == "choice":
         if not isinstance(item, list) or not item or not all(isinstance(c, str) for c in item):
