@@ -96,7 +96,9 @@ def test_schema_reply_streamed_completes_with_the_same_numbers(oai, client, tiny
     kw = dict(model=MODEL, input="Yes or no?", temperature=0, max_output_tokens=20, include=LOGPROBS, top_logprobs=3,
               text=text)
     plain = oai.responses.create(**kw)
-    with oai.responses.stream(**kw) as stream:
+    # responses.stream() takes top_logprobs by name from openai 1.103; the test floor is 1.97.1
+    streamed_kw = {key: value for key, value in kw.items() if key != "top_logprobs"}
+    with oai.responses.stream(**streamed_kw, extra_body={"top_logprobs": 3}) as stream:
         deltas = [event for event in stream if event.type == "response.output_text.delta"]
         final = stream.get_final_response()
     assert final.status == plain.status == "completed" and final.incomplete_details is None
