@@ -19,8 +19,8 @@ from ...config import Limits
 from .. import validation as v
 from ..errors import InvalidRequest
 from .base import Neutral, RequestModel, Unbounded, check, parses
-from .constraints import checked, schema_text
-from .sampling import Seed, Temperature, TopK, TopP, User, inside
+from .constraints import format_kind, json_schema_constraint
+from .sampling import Seed, Temperature, TopK, TopP, User, checked_object, inside
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
@@ -115,14 +115,14 @@ class ResponsesBody(RequestModel):
     @parses("input")
     def parse_input(value, limits: Limits) -> list[dict]:
         """The conversation as the chat template's messages ({"role", "content"}, text parts joined)."""
-        if value is None:
-            raise InvalidRequest("Missing required parameter: 'input'.", "input")
         if isinstance(value, str):
             return [{"role": "user", "content": value}]
-        if not isinstance(value, list) or not value:
-            raise InvalidRequest("Invalid value for 'input': expected a string or a non-empty array of "
-                                 "message items.", "input")
-        return [_message(item, f"input[{i}]") for i, item in enumerate(value)]
+        if isinstance(value, list) and value:
+            return [_message(item, f"input[{i}]") for i, item in enumerate(value)]
+        if value is None:
+            raise InvalidRequest("Missing required parameter: 'input'.", "input")
+        raise InvalidRequest("Invalid value for 'input': expected a string or a non-empty array of message items.",
+                             "input")
 
     @parses("include")
     def parse_include(value, limits: Limits) -> bool:
@@ -146,25 +146,17 @@ class ResponsesBody(RequestModel):
 
     @parses("stream_options")
     def parse_stream_options(value, limits: Limits) -> dict | None:
-        if value is None:
-            return None
-        if not isinstance(value, dict):
-            raise v.type_error("stream_options", "an object")
-        with inside("stream_options"):
-            ResponsesStreamOptions.check_known_fields(value)
-            v.get_bool(value, "include_obfuscation", False)
+        value = checked_object("stream_options", value, ResponsesStreamOptions)
+        if value is not None:
+            with inside("stream_options"):
+                v.get_bool(value, "include_obfuscation", False)
         return value
 
     @parses("text")
     def parse_text(value, limits: Limits) -> Constraint | None:
         """`text.format` as a Constraint (None for type text); `text.verbosity` only at its default."""
-        if value is None:
-            return None
-        if not isinstance(value, dict):
-            raise v.type_error("text", "an object")
-        with inside("text"):
-            TextConfig.check_known_fields(value)
-        return _text_format(value.get("format"))
+        value = checked_object("text", value, TextConfig)
+        return None if value is None else _text_format(value.get("format"))
 
     @check
     def check_top_logprobs(self, limits: Limits) -> None:
@@ -219,25 +211,10 @@ def _text_format(spec) -> Constraint | None:
     name = "text.format"
     if spec is None:
         return None
-    if not isinstance(spec, dict):
-        raise v.type_error(name, "an object")
-    for key in spec:
-        if key not in FORMAT_KEYS:
-            raise InvalidRequest(f"Unrecognized request argument supplied: {name}.{key}", f"{name}.{key}")
-    kind = spec.get("type")
-    if kind not in ("text", "json_object", "json_schema"):
-        raise InvalidRequest(f"Invalid value for '{name}.type': expected 'text', 'json_object' or 'json_schema'.",
-                             name + ".type")
-    if kind != "json_schema":
-        extra = next((key for key in ("name", "schema", "description", "strict") if spec.get(key) is not None), None)
-        if extra:
-            raise InvalidRequest(f"'{name}.{extra}' is only used with 'type': 'json_schema'.", f"{name}.{extra}")
-        return None if kind == "text" else Constraint("json_object", "")
-    if not isinstance(spec.get("name"), str):
-        raise InvalidRequest(f"Missing required parameter: '{name}.name' (a string).", name + ".name")
-    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
-        raise v.type_error(name + ".strict", "a boolean")
-    if spec.get("schema") is None:
-        raise InvalidRequest(f"Missing required parameter: '{name}.schema' (a JSON schema).", name + ".schema")
-    param = name + ".schema"
-    return checked(Constraint("json_schema", schema_text(spec["schema"], param)), param)
+    kind = format_kind(spec, name, FORMAT_KEYS)
+    if kind == "json_schema":
+        return json_schema_constraint(spec, name)
+    extra = next((key for key in ("name", "schema", "description", "strict") if spec.get(key) is not None), None)
+    if extra:
+        raise InvalidRequest(f"'{name}.{extra}' is only used with 'type': 'json_schema'.", f"{name}.{extra}")
+    return None if kind == "text" else Constraint("json_object", "")
