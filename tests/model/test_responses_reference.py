@@ -42,7 +42,8 @@ def assert_same_entries(ours: list[dict], theirs: list[dict]) -> None:
     assert len(ours) == len(theirs)
     for a, b in zip(ours, theirs):
         assert (a["token"], a["bytes"]) == (b["token"], b["bytes"]) and abs(a["logprob"] - b["logprob"]) < TOL
-        assert [(t["token"], t["bytes"]) for t in a["top_logprobs"]] == [(t["token"], t["bytes"]) for t in b["top_logprobs"]]
+        named = [[(t["token"], t["bytes"]) for t in entry["top_logprobs"]] for entry in (a, b)]
+        assert named[0] == named[1]
         assert all(abs(x["logprob"] - y["logprob"]) < TOL for x, y in zip(a["top_logprobs"], b["top_logprobs"]))
 
 

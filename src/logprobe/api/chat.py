@@ -196,7 +196,7 @@ def stream_formatters(backend, req: ChatRequest, ids: list[int], requests: list[
             logprobs = None
             if req.top_logprobs is not None:
                 logprobs = {"content": content_entries(backend, req, namer, d.token_ids, d.logprobs, d.top_ids,
-                                                d.top_logprobs, d.finish_reason), "refusal": None}
+                                                       d.top_logprobs, d.finish_reason), "refusal": None}
             delta = {"content": d.text} if d.text or d.finish_reason is None else {}
             choice = {"index": d.seq_index, "delta": delta, "logprobs": logprobs, "finish_reason": d.finish_reason}
             if params.logprobs_mode == "both":

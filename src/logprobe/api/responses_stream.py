@@ -78,8 +78,8 @@ class ResponseEvents:
                 self.finish_reason = d.finish_reason
             entries = []
             if self.req.top_logprobs is not None:
-                entries = chat.content_entries(self.backend, self.req, self.namer, d.token_ids, d.logprobs, d.top_ids,
-                                        d.top_logprobs, d.finish_reason)
+                entries = chat.content_entries(self.backend, self.req, self.namer, d.token_ids, d.logprobs,
+                                               d.top_ids, d.top_logprobs, d.finish_reason)
             if not d.text and not entries:
                 continue  # an ending end-of-turn token alone: no text, no listed token
             self.text.append(d.text)

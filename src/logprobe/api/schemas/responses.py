@@ -54,8 +54,9 @@ class TextFormat(RequestModel):
 
 
 class TextConfig(RequestModel):
-    format: TextFormat | None = Field(None, description="{\"type\": \"text\"} (no constraint), "
-                                      "{\"type\": \"json_object\"} or {\"type\": \"json_schema\", \"name\", \"schema\"}.")
+    format: TextFormat | None = Field(None, description=(
+        "{\"type\": \"text\"} (no constraint), {\"type\": \"json_object\"} or {\"type\": \"json_schema\", \"name\", "
+        "\"schema\"}."))
     verbosity: Annotated[Literal["medium"] | None, Neutral(None, "medium")] = None
 
 
