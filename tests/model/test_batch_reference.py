@@ -46,6 +46,9 @@ BODIES = {
     "/v1/chat/completions": [{"model": "tiny", "messages": [{"role": "user", "content": t}], "max_tokens": 3,
                               "temperature": 0, "logprobs": True, "top_logprobs": 2} for t in TEXTS],
     "/v1/compare": [{"models": ["tiny", "tiny-b"], "input": t} for t in TEXTS],
+    "/v1/responses": [{"model": "tiny", "input": t, "instructions": "Be brief.", "max_output_tokens": 3,
+                       "temperature": 0, "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+                      for t in TEXTS],
 }
 
 
