@@ -97,9 +97,9 @@ def lines_of(oai, file_id: str | None) -> list[dict]:
 
 
 def without_ids(body):
-    """An answer without what differs between two sendings of one body: its id and creation time."""
+    """An answer without what differs between two sendings of one body: its ids and creation time."""
     if isinstance(body, dict):
-        return {k: without_ids(x) for k, x in body.items() if k not in ("id", "created", "request_id")}
+        return {k: without_ids(x) for k, x in body.items() if k not in ("id", "created", "created_at", "request_id")}
     if isinstance(body, list):
         return [without_ids(x) for x in body]
     return body

@@ -89,6 +89,11 @@ with TestClient(logprobe.api.app.create_app(backend), raise_server_exceptions=Fa
     assert out["object"] == "chat.completion" and out["prompt_logprobs"] is None
     assert len(out["choices"][0]["logprobs"]["content"]) <= 3
 
+    r = c.post("/v1/responses", json={"model": "tiny", "input": "hi", "max_output_tokens": 3, "stream": True,
+                                      "include": ["message.output_text.logprobs"], "top_logprobs": 2})
+    assert r.status_code == 200 and r.text.startswith("event: response.created"), r.text
+    assert r.text.split("\n\n")[-2].startswith("event: response.") and "[DONE]" not in r.text
+
     r = c.post("/v1/score", json={"model": "tiny", "input": "abc", "context": "x", "top_logprobs": 2})
     assert r.status_code == 200, r.text
     data = r.json()["data"][0]

@@ -85,6 +85,13 @@ def check_answer(r, allowed=ALLOWED_STATUS) -> dict | None:
 
 def check_success(r) -> None:
     ctype = r.headers.get("content-type", "")
+    if ctype.startswith("text/event-stream") and r.text.startswith("event: "):  # /v1/responses: named events
+        blocks = [block.split("\n") for block in r.text.split("\n\n") if block]
+        assert all(len(b) == 2 and b[0].startswith("event: ") and b[1].startswith("data: ") for b in blocks), r.text
+        kinds = [orjson.loads(b[1][len("data: "):])["type"] for b in blocks]
+        assert kinds == [b[0][len("event: "):] for b in blocks] and "error" not in kinds, r.text[-1000:]
+        assert kinds[-1] in ("response.completed", "response.incomplete"), r.text[-500:]
+        return
     if ctype.startswith("text/event-stream"):
         events = [line[len("data: "):] for line in r.text.split("\n\n") if line.startswith("data: ")]
         assert events and events[-1] == "[DONE]", r.text[-500:]
@@ -94,7 +101,11 @@ def check_success(r) -> None:
         return
     assert ctype.startswith("application/json"), ctype
     data = orjson.loads(r.content)
-    assert isinstance(data, dict) and "error" not in data, r.text[:1000]
+    assert isinstance(data, dict), r.text[:1000]
+    if data.get("object") == "response":  # OpenAI's response object always has `error`, null on success
+        assert data["error"] is None and data["status"] in ("completed", "incomplete"), r.text[:1000]
+        return
+    assert "error" not in data, r.text[:1000]
 
 
 def check_envelope(r) -> dict:
@@ -284,6 +295,10 @@ def tame(path: str, body: dict) -> None:
             body[name] = 4
     if path == "/v1/chat/completions" and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_tokens"] = 2
+    if path == "/v1/responses" and _integral(body.get("max_output_tokens")) and 4 < body["max_output_tokens"] < 10**6:
+        body["max_output_tokens"] = 4
+    if path == "/v1/responses" and body.get("max_output_tokens") is None:
+        body["max_output_tokens"] = 2
     if path == "/v1/completions" and body.get("max_tokens") is None:
         body["max_tokens"] = 2  # the default, 16, times n times the prompts, is slow on 2 cores
     if _integral(body.get("prompt_logprobs")) and body["prompt_logprobs"] == -1 and "vocab_encoding" not in body:
@@ -332,7 +347,28 @@ VALID_VALUES = {
 }
 
 
+RESPONSES_VALUES = {  # /v1/responses' own shapes of fields other routes share by name
+    "input": texts_ok | st.lists(st.fixed_dictionaries(
+        {"role": st.sampled_from(["system", "developer", "user", "assistant"]),
+         "content": st.text(max_size=20) | st.lists(st.fixed_dictionaries(
+             {"type": st.sampled_from(["input_text", "output_text"]), "text": st.text(max_size=8)}), max_size=2)},
+        optional={"type": st.just("message")}), min_size=1, max_size=3),
+    "include": st.just(["message.output_text.logprobs"]),
+    "max_output_tokens": st.integers(1, 4),
+    "stream_options": st.fixed_dictionaries({}, optional={"include_obfuscation": st.booleans()}),
+    "text": st.fixed_dictionaries({}, optional={"format": st.sampled_from([
+        {"type": "text"}, {"type": "json_object"},
+        {"type": "json_schema", "name": "a", "schema": {"type": "object"}, "strict": True}])}),
+    "instructions": st.text(max_size=12),
+    "previous_response_id": st.none(),
+    "prompt_cache_key": st.text(max_size=8),
+    "safety_identifier": st.text(max_size=8),
+}
+
+
 def valid_values(path: str, name: str):
+    if path == "/v1/responses" and name in RESPONSES_VALUES:
+        return RESPONSES_VALUES[name]
     if name == "logprobs":
         return st.booleans() if path == "/v1/chat/completions" else st.integers(0, 5)
     unimplemented = SPECS[path].unimplemented
@@ -365,8 +401,8 @@ def post_bodies(draw, path: str):
 
 FUZZ = dict(deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                   HealthCheck.too_slow])
-EXAMPLES = {"/v1/completions": 400, "/v1/chat/completions": 300, "/v1/score": 400, "/tokenize": 300,
-            "/detokenize": 300}
+EXAMPLES = {"/v1/completions": 400, "/v1/chat/completions": 300, "/v1/responses": 300, "/v1/score": 400,
+            "/tokenize": 300, "/detokenize": 300}
 
 
 def check_param(path: str, body: dict, r, err: dict) -> None:
@@ -488,7 +524,8 @@ SCORE = {"model": "tiny", "input": "The sky is blue"}
 COMPARE = {"models": ["tiny", "tiny-b"], "input": "The sky is blue"}
 BASES = {"/v1/completions": CMPL, "/v1/chat/completions": CHAT, "/v1/score": SCORE, "/v1/compare": COMPARE,
          "/tokenize": {"model": "tiny", "prompt": "hi"}, "/detokenize": {"model": "tiny", "tokens": [1, 2]},
-         "/v1/tree": {"model": "tiny", "prompt": "The sky is", "depth": 1, "branches": 2}}
+         "/v1/tree": {"model": "tiny", "prompt": "The sky is", "depth": 1, "branches": 2},
+         "/v1/responses": {"model": "tiny", "input": "hi", "max_output_tokens": 1}}
 
 # One wrong-typed value per field; the refusal must name the field. The test below checks that every
 # field of each endpoint is here, so a new field gets covered.
@@ -532,6 +569,13 @@ WRONG_TYPES = {
         "temperature": [1], "top_p": "1", "top_k": 1.5, "logit_bias": [1], "response_format": "json",
         "structured_outputs": 5, "allowed_token_ids": "1", "bad_words": "no", "add_special_tokens": 0,
         "return_tokens_as_token_ids": "yes", "user": 5,
+    },
+    "/v1/responses": {
+        "model": 5, "input": 5, "include": "message.output_text.logprobs", "instructions": ["x"],
+        "max_output_tokens": "4", "parallel_tool_calls": "yes", "previous_response_id": 5,
+        "prompt_cache_key": 1, "safety_identifier": {}, "store": "no", "stream": 1, "stream_options": "x",
+        "temperature": "0", "text": "json", "top_logprobs": "2", "top_p": [1], "user": 5, "top_k": 1.5,
+        "seed": "1",
     },
 }
 # Fields that only are read next to another one.

@@ -15,6 +15,7 @@ from logprobe.api.schemas import BODIES
 ACCEPTED = {path: (set(model.model_fields), required) for path, model, required in [
     ("/v1/completions", BODIES["/v1/completions"], {"model", "prompt"}),
     ("/v1/chat/completions", BODIES["/v1/chat/completions"], {"model", "messages"}),
+    ("/v1/responses", BODIES["/v1/responses"], {"model", "input"}),
     ("/v1/score", BODIES["/v1/score"], {"model"}),  # and one of input and messages (a cross-field rule)
     ("/v1/compare", BODIES["/v1/compare"], {"models", "input"}),
     ("/tokenize", BODIES["/tokenize"], {"prompt"}),

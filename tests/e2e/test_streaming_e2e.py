@@ -53,6 +53,39 @@ def test_sdk_chat_stream_with_logprobs(oai):
     assert usage.completion_tokens == plain.usage.completion_tokens
 
 
+def test_sdk_responses_with_logprobs_streamed_and_not(oai, smol_dir, ref64):
+    """The Responses API on the bundled model: the reply's log probabilities are float64's at the
+    templated conversation's positions, equal chat's, and the stream's deltas carry the same."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello."}]
+    kw = dict(model=MODEL, instructions="Be brief.", input="Say hello.", max_output_tokens=6, temperature=0,
+              include=["message.output_text.logprobs"], top_logprobs=3)
+    plain = oai.responses.create(**kw)
+    entries = plain.output[0].content[0].logprobs
+    chat = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0, logprobs=True,
+                                       top_logprobs=3, extra_body={"return_tokens_as_token_ids": True})
+    gen = [int(e.token.split(":")[1]) for e in chat.choices[0].logprobs.content]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(smol_dir))
+    prompt = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                 add_special_tokens=False).input_ids
+    assert plain.usage.input_tokens == len(prompt) and len(entries) == len(gen) > 0
+    ref = ref64(prompt + gen)
+    for i, (entry, token) in enumerate(zip(entries, gen)):
+        row = ref[len(prompt) - 1 + i]
+        assert token == int(np.argmax(row)) and abs(entry.logprob - row[token]) < 2e-4
+        assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].token == entry.token
+    events = list(oai.responses.create(**kw, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert "".join(d.delta for d in deltas) == plain.output_text
+    assert [x.token for d in deltas for x in d.logprobs] == [e.token for e in entries]
+    np.testing.assert_allclose([x.logprob for d in deltas for x in d.logprobs], [e.logprob for e in entries],
+                               atol=1e-5)
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    assert events[-1].response.usage.output_tokens == plain.usage.output_tokens
+
+
 def test_seed_003_program_as_written(server, ref64):
     # The program keeps the SDK's defaults (two retries); its log shows a retry, which must not happen.
     env = {**os.environ, "OPENAI_BASE_URL": server + "/v1", "OPENAI_API_KEY": "none", "OPENAI_LOG": "info"}

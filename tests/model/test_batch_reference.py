@@ -52,6 +52,9 @@ BODIES = {
     + [{"model": "tiny", "messages": [{"role": "user", "content": "Is it?"}], "max_tokens": 4, "temperature": 0,
         "structured_outputs": {"choice": [" yes", " no"]}}],
     "/v1/compare": [{"models": ["tiny", "tiny-b"], "input": t} for t in TEXTS],
+    "/v1/responses": [{"model": "tiny", "input": t, "instructions": "Be brief.", "max_output_tokens": 3,
+                       "temperature": 0, "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+                      for t in TEXTS],
 }
 
 

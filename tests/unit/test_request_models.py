@@ -13,6 +13,7 @@ from logprobe.config import Limits
 MINIMAL = {
     "/v1/completions": {"model": "m", "prompt": "hi"},
     "/v1/chat/completions": {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+    "/v1/responses": {"model": "m", "input": "hi"},
     "/v1/score": {"model": "m", "input": "hi"},
     "/v1/compare": {"models": ["a", "b"], "input": "hi"},
     "/tokenize": {"prompt": "hi"},
@@ -45,6 +46,9 @@ def test_a_bound_that_is_a_server_option_follows_the_server():
     assert (err.message, err.param) == ("Invalid value for 'n': expected a value less than or equal to 4.", "n")
     err = refusal(ChatBody, {**MINIMAL["/v1/chat/completions"], "logprobs": True, "top_logprobs": 8},
                   Limits(max_logprobs=7))
+    assert err.message == "Invalid value for 'top_logprobs': expected a value less than or equal to 7."
+    err = refusal(BODIES["/v1/responses"], {**MINIMAL["/v1/responses"], "include": ["message.output_text.logprobs"],
+                                            "top_logprobs": 8}, Limits(max_logprobs=7))
     assert err.message == "Invalid value for 'top_logprobs': expected a value less than or equal to 7."
 
 

@@ -167,8 +167,8 @@ class Gate:
         access_log.info(orjson.dumps(line).decode())
 
 
-KNOWN_PATHS = {"/v1/completions", "/v1/chat/completions", "/v1/score", "/v1/compare", "/v1/models", "/tokenize",
-               "/detokenize", "/tokenizer_info", "/health", "/metrics", "/", "/v1/files", "/v1/batches"}
+KNOWN_PATHS = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/score", "/v1/compare", "/v1/models",
+               "/tokenize", "/detokenize", "/tokenizer_info", "/health", "/metrics", "/", "/v1/files", "/v1/batches"}
 
 
 def _request_id(request: Request) -> str:

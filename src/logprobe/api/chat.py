@@ -45,6 +45,7 @@ class ChatRequest:
     residual: ResidualRequest | None
     max_tokens_field: str = "max_completion_tokens"  # the name the client used
     bad_words: tuple[str, ...] = ()  # tokenized into params.bad_words_ids with the model's tokenizer
+    prompt_param: str = "messages"  # the field the conversation came in (/v1/responses: "input")
 
 
 def parse(body: dict, limits: Limits) -> ChatRequest:
@@ -61,11 +62,11 @@ def tokenize(backend, req: ChatRequest) -> list[int]:
     """The templated conversation's token ids, ending with the assistant's turn opening."""
     tok = backend.tokenizer
     if not backend.info.has_chat_template:
-        raise InvalidRequest("This model has no chat template, so /v1/chat/completions cannot build a prompt. "
+        raise InvalidRequest("This model has no chat template, so a conversation cannot become a prompt. "
                              "Use /v1/completions with your own prompt, or start the server with "
-                             "--chat-template FILE (a Jinja template).", "messages")
-    check_text_length(backend, [m.get("content") for m in req.messages], "messages")
-    return tok(render(backend, req.messages), add_special_tokens=False).input_ids
+                             "--chat-template FILE (a Jinja template).", req.prompt_param)
+    check_text_length(backend, [m.get("content") for m in req.messages], req.prompt_param)
+    return tok(render(backend, req.messages, param=req.prompt_param), add_special_tokens=False).input_ids
 
 
 def engine_params(backend, req: ChatRequest, ids: list[int]) -> SamplingParams:
@@ -77,21 +78,21 @@ def engine_params(backend, req: ChatRequest, ids: list[int]) -> SamplingParams:
                    stop_token_ids=backend.info.stop_token_ids, residual_layers=residual_layers(backend, req.residual))
 
 
-def render(backend, messages: list[dict], add_generation_prompt: bool = True) -> str:
+def render(backend, messages: list[dict], add_generation_prompt: bool = True, param: str = "messages") -> str:
     """The conversation as the model's chat template writes it (the prompt chat runs, and /v1/score's
-    conversations: chat_scoring.py)."""
+    conversations: chat_scoring.py); a template that fails is the 400 of `param`."""
     try:
         return backend.tokenizer.apply_chat_template(messages, tokenize=False,
                                                      add_generation_prompt=add_generation_prompt)
     except Exception as exc:  # a template that raises on these messages (e.g. a role it forbids)
         raise InvalidRequest(f"The model's chat template could not render these messages: "
-                             f"{str(exc)[:200]}", "messages") from None
+                             f"{str(exc)[:200]}", param) from None
 
 
 def check_caps(backend, req: ChatRequest, ids: list[int], limits: Limits) -> None:
     params = engine_params(backend, req, ids)
-    check_request_caps(backend, [ids], params, req.residual, limits, prompt_param="messages",
-                       max_tokens_param=req.max_tokens_field if req.max_tokens is not None else "messages")
+    check_request_caps(backend, [ids], params, req.residual, limits, prompt_param=req.prompt_param,
+                       max_tokens_param=req.max_tokens_field if req.max_tokens is not None else req.prompt_param)
     if params.min_tokens > params.max_tokens:  # the default max_tokens: what the context leaves
         raise InvalidRequest(f"Invalid value for 'min_tokens': {params.min_tokens} is more than the "
                              f"{params.max_tokens} tokens the context leaves after the messages (the default "
@@ -109,7 +110,7 @@ def _ends_with_stop_token(backend, ids, finish_reason) -> bool:
     return finish_reason == "stop" and len(ids) > 0 and int(ids[-1]) in backend.info.stop_token_ids
 
 
-def _content(backend, req: ChatRequest, namer, ids, lps, top_ids, top_lps, finish_reason):
+def content_entries(backend, req: ChatRequest, namer, ids, lps, top_ids, top_lps, finish_reason):
     if _ends_with_stop_token(backend, ids, finish_reason):
         ids, lps, top_ids, top_lps = ids[:-1], lps[:-1], top_ids[:-1], top_lps[:-1]
     return chat_logprobs_content(namer, backend.table.token_bytes, ids, lps, top_ids, top_lps)
@@ -140,7 +141,7 @@ def choice_logprobs(backend, req: ChatRequest, namer, seq, processed: bool) -> d
         lps, top_lps = seq.processed_logprobs, seq.processed_top_logprobs
         if seq.processed_top_ids is not None:  # steered: the processed distribution's own top-k
             top_ids = seq.processed_top_ids
-    content = _content(backend, req, namer, seq.token_ids, lps, top_ids, top_lps, seq.finish_reason)
+    content = content_entries(backend, req, namer, seq.token_ids, lps, top_ids, top_lps, seq.finish_reason)
     if req.params.logprob_token_ids:
         listed = _listed(backend, seq)
         values = listed.token_id_logprobs_processed if processed else listed.token_id_logprobs
@@ -216,12 +217,12 @@ def stream_formatters(backend, req: ChatRequest, ids: list[int], requests: list[
                 continue
             logprobs = None
             if req.top_logprobs is not None:
-                logprobs = {"content": _content(backend, req, namer, d.token_ids, d.logprobs, d.top_ids,
-                                                d.top_logprobs, d.finish_reason), "refusal": None}
+                logprobs = {"content": content_entries(backend, req, namer, d.token_ids, d.logprobs, d.top_ids,
+                                                       d.top_logprobs, d.finish_reason), "refusal": None}
             delta = {"content": d.text} if d.text or d.finish_reason is None else {}
             choice = {"index": d.seq_index, "delta": delta, "logprobs": logprobs, "finish_reason": d.finish_reason}
             if params.logprobs_mode == "both":
-                choice["processed_logprobs"] = None if d.processed_logprobs is None else {"content": _content(
+                choice["processed_logprobs"] = None if d.processed_logprobs is None else {"content": content_entries(
                     backend, req, namer, d.token_ids, d.processed_logprobs, d.processed_top_ids,
                     d.processed_top_logprobs, d.finish_reason), "refusal": None}
             if d.constraint_logprobs is not None:

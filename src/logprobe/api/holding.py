@@ -188,13 +188,14 @@ async def run_held_jobs(admission, call: Call, jobs: list[tuple], timeout: float
 
 
 async def stream_held(admission, call: Call, backend, requests, hold, k: int, format_deltas, final_chunks,
-                      timeout: float | None) -> StreamingResponse:
+                      timeout: float | None, **framing) -> StreamingResponse:
     """The streamed answer of requests already admitted (`hold`): SSE chunks as the backend releases
     tokens; the hold is given back, and the usage recorded, when the stream ends however it ends.
 
     The status goes out with the first chunk, not before: until the first token is picked an error is
     still the request's own status (an impossible constraint at the first token: 400, a lost replica:
-    503), not a 200 followed by an error event. A client that leaves meanwhile aborts the requests."""
+    503), not a 200 followed by an error event. A client that leaves meanwhile aborts the requests.
+    `framing`: stream_sse's `error_event` and `done`, for a route whose stream ends its own way."""
     usage = {"completion": 0, "lost": False}
 
     def on_end(end, released, lost):
@@ -205,7 +206,7 @@ async def stream_held(admission, call: Call, backend, requests, hold, k: int, fo
         release(admission, call, hold, requests, usage["completion"], usage["lost"])
 
     gen = stream_sse(backend, requests, k, call.request_id, format_deltas, final_chunks, timeout=timeout,
-                     on_end=on_end)
+                     on_end=on_end, **framing)
     first = asyncio.ensure_future(anext(gen))
     watcher = asyncio.ensure_future(call.gone())
     try:

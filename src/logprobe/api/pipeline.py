@@ -37,7 +37,8 @@ class Endpoint:
         check_caps(target, req, prepared, limits)      context and size caps (400)
         build_requests(target, req, prepared, request_id) -> list[GenerationRequest]
         format_response(target, req, prepared, requests, outputs) -> (payload, Parts or None)
-        stream_formatters(target, req, prepared, requests) -> (format_deltas, final_chunks)
+        stream_formatters(target, req, prepared, requests) -> (format_deltas, final_chunks[, framing])
+                                                       (framing: streaming.stream_sse's keywords)
     """
 
     parse: Callable[[dict, Limits], Any]
@@ -222,11 +223,12 @@ class Pipeline:
         checked = await self.decide(checked, call)
         req = checked.req
         if endpoint.stream_formatters is not None and req.stream:
-            format_deltas, final_chunks = endpoint.stream_formatters(checked.target, req, checked.prepared,
-                                                                     checked.requests)
+            format_deltas, final_chunks, *framing = endpoint.stream_formatters(checked.target, req, checked.prepared,
+                                                                               checked.requests)
             hold = await admit(self.admission, call, checked.requests)
             return await stream_held(self.admission, call, checked.target, checked.requests, hold,
-                                     req.params.logprobs or 0, format_deltas, final_chunks, self.request_timeout())
+                                     req.params.logprobs or 0, format_deltas, final_chunks, self.request_timeout(),
+                                     **(framing[0] if framing else {}))
         answer = await self.run(checked, call)
         return with_headers(await body_response(answer.payload, answer.parts, endpoint.whole_vocab(req),
                                                 answer.outputs), answer.hold.headers)

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
-from . import chat, comparing, scoring, tree
+from . import chat, comparing, responses, responses_stream, scoring, tree
 from . import completions as cmpl
 from .json_body import json_response, read_json
 from .pipeline import Endpoint, asks_whole_vocab, serve
@@ -39,6 +39,8 @@ COMPLETIONS = Endpoint(cmpl.parse, cmpl.tokenize, cmpl.check_caps, cmpl.build_re
                        cmpl.stream_formatters, whole_vocab=asks_whole_vocab)
 CHAT = Endpoint(chat.parse, chat.tokenize, chat.check_caps, chat.build_requests, chat.format_response,
                 chat.stream_formatters, whole_vocab=asks_whole_vocab)
+RESPONSES = Endpoint(responses.parse, responses.tokenize, responses.check_caps, responses.build_requests,
+                     responses.format_response, responses_stream.stream_formatters)
 SCORE = Endpoint(scoring.parse, scoring.tokenize, scoring.check_caps, scoring.build_requests,
                  scoring.format_response)
 COMPARE = Endpoint(comparing.parse, comparing.tokenize, comparing.check_caps, comparing.build_requests,
@@ -58,6 +60,14 @@ async def create_chat_completion(request: Request):
     """OpenAI chat completions over the model's chat template, with `logprobs` / `top_logprobs`, streaming,
     and `prompt_logprobs` over the templated prompt."""
     return await serve(request, CHAT)
+
+
+@router.post("/v1/responses")
+async def create_response(request: Request):
+    """OpenAI's Responses API over the model's chat template: text or message input, `instructions`,
+    `text.format` (structured output), the output tokens' log probabilities with `include:
+    ["message.output_text.logprobs"]` and `top_logprobs`, streamed as OpenAI's events. Nothing is stored."""
+    return await serve(request, RESPONSES)
 
 
 @router.post("/v1/score")

@@ -26,14 +26,22 @@ def sse(payload) -> bytes:
 async def stream_sse(backend, requests: list[GenerationRequest], k: int, request_id: str,
                      format_deltas: Callable[[list[Delta]], list[bytes]],
                      final_chunks: Callable[[StreamEnd], list[bytes]], timeout: float | None = None,
-                     on_end: Callable[[StreamEnd | None, int, bool], None] | None = None) -> AsyncIterator[bytes]:
+                     on_end: Callable[[StreamEnd | None, int, bool], None] | None = None,
+                     error_event: Callable[[APIError], bytes] | None = None,
+                     done: bytes | None = DONE) -> AsyncIterator[bytes]:
     """Run requests on the backend and yield SSE bytes: formatted deltas as they come, then
-    `final_chunks(end)` and `[DONE]`. An error before the first chunk is raised as the APIError its status
-    says (api_error_of: the handler answers it; holding.stream_held waits for the first chunk before it
-    sends a status); after it, it is sent as an error event. If the client goes away (this generator is
-    closed or cancelled) or the stream runs past `timeout` seconds, the backend's stream is closed, which
-    aborts the requests. `on_end(end or None, tokens released, lost)` is called once, however the stream
-    ends (`lost`: the backend lost the requests, BackendUnavailable)."""
+    `final_chunks(end)` and `done` (`[DONE]`; None: nothing, as the Responses API ends). An error before
+    the first chunk is raised as the APIError its status says (api_error_of: the handler answers it;
+    holding.stream_held waits for the first chunk before it sends a status); after it, it is sent as an
+    error event: the error envelope in a `data:` line, or what `error_event(error)` writes. If the client
+    goes away (this generator is closed or cancelled) or the stream runs past `timeout` seconds, the
+    backend's stream is closed, which aborts the requests. `on_end(end or None, tokens released, lost)` is
+    called once, however the stream ends (`lost`: the backend lost the requests, BackendUnavailable)."""
+    def error_chunk(err: APIError) -> bytes:
+        if error_event is not None:
+            return error_event(err)
+        return b"data: " + error_body(err.message, err.type, err.param, err.code, request_id) + b"\n\n"
+
     loop = asyncio.get_running_loop()
     deadline = None if timeout is None else loop.time() + timeout
     events = backend.stream(requests, k)
@@ -63,12 +71,13 @@ async def stream_sse(backend, requests: list[GenerationRequest], k: int, request
         err = api_error_of(exc, request_id)
         if not sent:
             raise err from None
-        yield b"data: " + error_body(err.message, err.type, err.param, err.code, request_id) + b"\n\n"
+        yield error_chunk(err)
     finally:
         await events.aclose()
         if on_end is not None:
             on_end(end, released, lost)
-    yield DONE
+    if done is not None:
+        yield done
 
 
 def api_error_of(exc: Exception, request_id: str) -> APIError:

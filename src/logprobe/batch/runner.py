@@ -74,7 +74,7 @@ EXPIRED = unrun_line("batch_expired", "This line was not run before the batch's 
 
 class BatchRunner:
     def __init__(self, app, store: Store, batch_retention_s: float, in_flight: int = 128, lease_s: float = LEASE_S):
-        from ..api.routes import CHAT, COMPARE, COMPLETIONS, SCORE
+        from ..api.routes import CHAT, COMPARE, COMPLETIONS, RESPONSES, SCORE
 
         self.pipeline = app.state.pipeline
         self.store = store
@@ -82,8 +82,8 @@ class BatchRunner:
         self.in_flight = in_flight
         self.lease_s = lease_s
         self.name = runner_name()  # this runner's leases
-        self.endpoints = {"/v1/completions": COMPLETIONS, "/v1/chat/completions": CHAT, "/v1/score": SCORE,
-                          "/v1/compare": COMPARE}
+        self.endpoints = {"/v1/completions": COMPLETIONS, "/v1/chat/completions": CHAT, "/v1/responses": RESPONSES,
+                          "/v1/score": SCORE, "/v1/compare": COMPARE}
         self.tasks: dict[tuple[str, int], asyncio.Task] = {}
         self.results: list[Result] = []
         self._wake = asyncio.Event()

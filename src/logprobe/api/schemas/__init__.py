@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from .base import RequestModel
 from .completions import ChatBody, CompletionBody
+from .responses import ResponsesBody
 from .scoring import CompareBody, ScoreBody
 from .tokenizer import DetokenizeBody, TokenizeBody
 from .tree import TreeBody
@@ -12,6 +13,7 @@ from .tree import TreeBody
 BODIES: dict[str, type[RequestModel]] = {
     "/v1/completions": CompletionBody,
     "/v1/chat/completions": ChatBody,
+    "/v1/responses": ResponsesBody,
     "/v1/score": ScoreBody,
     "/v1/compare": CompareBody,
     "/v1/tree": TreeBody,

@@ -95,7 +95,7 @@ def refuse_removed_fields(body: dict) -> None:
                                  "(docs/api.md, Constrained decoding).", name)
 
 
-def _schema_text(schema: Any, param: str, options: dict | None = None) -> str:
+def schema_text(schema: Any, param: str, options: dict | None = None) -> str:
     """A JSON schema as compact JSON text, key order kept (llguidance writes an object's properties in
     the schema's order); `options` go into its `x-guidance` object (llguidance's JSON options)."""
     if isinstance(schema, str):
@@ -125,18 +125,39 @@ def checked(constraint: Constraint, param: str) -> Constraint:
     return constraint
 
 
+def format_kind(value, name: str, known: frozenset) -> str:
+    """The `type` of an OpenAI structured-output object (chat's `response_format`, the Responses API's
+    `text.format`), its keys checked."""
+    if not isinstance(value, dict):
+        raise v.type_error(name, "an object")
+    _known_keys(value, known, name)
+    kind = value.get("type")
+    if kind not in ("text", "json_object", "json_schema"):
+        raise InvalidRequest(f"Invalid value for '{name}.type': expected 'text', 'json_object' or 'json_schema'.",
+                             name + ".type")
+    return kind
+
+
+def json_schema_constraint(spec: dict, where: str) -> Constraint:
+    """OpenAI's json_schema object ({"name", "schema", "description", "strict"}, keys checked) -> a
+    Constraint; `where` names it in errors."""
+    if not isinstance(spec.get("name"), str):
+        raise InvalidRequest(f"Missing required parameter: '{where}.name' (a string).", where + ".name")
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise v.type_error(where + ".strict", "a boolean")
+    schema = spec.get("schema")
+    if schema is None:
+        schema = {}  # OpenAI: no schema is the empty one, which any JSON value meets
+    param = where + ".schema"
+    return checked(Constraint("json_schema", schema_text(schema, param)), param)
+
+
 def response_format_constraint(value) -> Constraint | None:
     """OpenAI's `response_format` -> a Constraint (None for type text or null)."""
     name = "response_format"
     if value is None:
         return None
-    if not isinstance(value, dict):
-        raise v.type_error(name, "an object")
-    _known_keys(value, frozenset(ResponseFormat.model_fields), name)
-    kind = value.get("type")
-    if kind not in ("text", "json_object", "json_schema"):
-        raise InvalidRequest(f"Invalid value for '{name}.type': expected 'text', 'json_object' or 'json_schema'.",
-                             name + ".type")
+    kind = format_kind(value, name, frozenset(ResponseFormat.model_fields))
     if kind != "json_schema" and value.get("json_schema") is not None:
         raise InvalidRequest(f"'{name}.json_schema' is only used with 'type': 'json_schema'.", name + ".json_schema")
     if kind == "text":
@@ -148,15 +169,7 @@ def response_format_constraint(value) -> Constraint | None:
     if not isinstance(spec, dict):
         raise InvalidRequest(f"Missing required parameter: '{where}' (an object with 'name' and 'schema').", where)
     _known_keys(spec, frozenset(("name", "description", "schema", "strict")), where)
-    if not isinstance(spec.get("name"), str):
-        raise InvalidRequest(f"Missing required parameter: '{where}.name' (a string).", where + ".name")
-    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
-        raise v.type_error(where + ".strict", "a boolean")
-    schema = spec.get("schema")
-    if schema is None:
-        schema = {}  # OpenAI: no schema is the empty one, which any JSON value meets
-    param = where + ".schema"
-    return checked(Constraint("json_schema", _schema_text(schema, param)), param)
+    return json_schema_constraint(spec, where)
 
 
 def structured_outputs_constraint(value) -> Constraint | None:
@@ -176,12 +189,12 @@ def structured_outputs_constraint(value) -> Constraint | None:
     options = _json_options(value, key)
     item = value[key]
     if key == "json":
-        return checked(Constraint("json_schema", _schema_text(item, param, options)), param)
+        return checked(Constraint("json_schema", schema_text(item, param, options)), param)
     if key == "json_object":
         if item is not True:
             raise v.type_error(param, "a boolean")
         if options:
-            return checked(Constraint("json_schema", _schema_text({"type": "object"}, param, options)), param)
+            return checked(Constraint("json_schema", schema_text({"type": "object"}, param, options)), param)
         return Constraint("json_object", "")
     if key == "choice":
         if not isinstance(item, list) or not item or not all(isinstance(c, str) for c in item):

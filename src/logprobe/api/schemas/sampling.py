@@ -152,6 +152,17 @@ IgnoreEos = Annotated[bool | None, Field(False, description=(
 STREAMED_INSTRUMENTS = ("logprob_token_ids", "position_stats", "top_logprobs_p")
 
 
+def checked_object(name: str, value, model: type[RequestModel]) -> dict | None:
+    """An object field (None when null), its keys checked against `model`'s."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise v.type_error(name, "an object")
+    with inside(name):
+        model.check_known_fields(value)
+    return value
+
+
 def _layer_list(value) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(x, int) and not isinstance(x, bool)
                                                             for x in value)
@@ -186,12 +197,10 @@ class SamplingFields(RequestModel):
 
     @parses("stream_options")
     def parse_stream_options(value, limits: Limits) -> dict | None:
+        value = checked_object("stream_options", value, StreamOptions)
         if value is None:
             return None
-        if not isinstance(value, dict):
-            raise v.type_error("stream_options", "an object")
         with inside("stream_options"):
-            StreamOptions.check_known_fields(value)
             return {"include_usage": v.get_bool(value, "include_usage", False),
                     "continuous_usage_stats": v.get_bool(value, "continuous_usage_stats", False)}
 
