@@ -121,5 +121,6 @@ def test_the_numbers_are_each_models_score(compared):
     out = client.post("/v1/compare", json={"models": ["gemma", "smol"], "input": text, "align": "text"}).json()
     for m, name in enumerate(["gemma", "smol"]):
         score = client.post("/v1/score", json={"model": name, "input": text}).json()["data"][0]
-        assert out["tokenizations"][m]["token_logprobs"] == score["token_logprobs"]
-        assert out["summary"]["logprob"][m] == pytest.approx(score["logprob"], abs=1e-9)
+        # the score call may start from the compare's tokens in the prefix cache: float32 rounding apart
+        np.testing.assert_allclose(out["tokenizations"][m]["token_logprobs"], score["token_logprobs"], atol=TOL)
+        assert out["summary"]["logprob"][m] == pytest.approx(score["logprob"], abs=TOL * score["num_tokens"])
