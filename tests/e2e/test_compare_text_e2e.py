@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
 from logprobe.engine.runners import loader
@@ -90,6 +91,19 @@ def token_bytes(token: str) -> bytes:
     if token.startswith("bytes:"):
         return bytes(int(h, 16) for h in token[len("bytes:"):].split("\\x")[1:])
     return token.encode("utf-8")
+
+
+def test_client_columns(both):
+    from logprobe.client import compare_spans
+
+    got = compare_spans(both, ["gemma3-270m", "smollm2-135m"], " is fun", context="日本語")
+    out = post(both, "/v1/compare", {"models": ["gemma3-270m", "smollm2-135m"], "input": " is fun",
+                                     "context": "日本語", "align": "text"})
+    assert got.models == NAMES[::-1] and "".join(got.spans) == " is fun"
+    assert got.logprobs.shape == (len(got.spans), 2) and got.difference.shape == (len(got.spans), 1)
+    np.testing.assert_allclose(got.logprobs, out["spans"]["logprobs"], atol=TOL * 4)  # the cache, float32 rounding
+    np.testing.assert_allclose(got.difference[:, 0], got.logprobs[:, 1] - got.logprobs[:, 0], atol=1e-9)
+    assert got.bits_per_byte.shape == (2,) and np.all(got.bits_per_byte > 0)
 
 
 def test_refused_with_one_tokenizer_mode(both):

@@ -45,7 +45,8 @@ BODIES = {
         "prompt_logprobs": 2}],
     "/v1/chat/completions": [{"model": "tiny", "messages": [{"role": "user", "content": t}], "max_tokens": 3,
                               "temperature": 0, "logprobs": True, "top_logprobs": 2} for t in TEXTS],
-    "/v1/compare": [{"models": ["tiny", "tiny-b"], "input": t} for t in TEXTS],
+    "/v1/compare": [{"models": ["tiny", "tiny-b"], "input": t} for t in TEXTS]
+    + [{"models": ["tiny", "tiny-b"], "input": t, "align": "text"} for t in TEXTS[:3]],
 }
 
 

@@ -77,7 +77,7 @@ class CompareBody(RequestModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
         {"models": ["base", "tuned"], "input": "The cat sat on the mat."},
         {"models": ["base", "tuned"], "context": "Question: 2 + 2 = ?\nAnswer:", "input": " 4"},
-        {"models": ["smollm2-135m", "gemma3-270m"], "input": "The cat sat on the mat.", "align": "text"},
+        {"models": ["base", "tuned"], "input": "Naïve fans of 日本語", "align": "text"},
     ]})
 
     models: list[str] = Field(..., min_length=2, description="Two different served models (names or aliases) "
