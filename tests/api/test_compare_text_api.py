@@ -189,3 +189,46 @@ def test_a_context_that_fills_the_context_length_names_input(three):
         r = c.post("/v1/compare", json={"models": ["smol", "tiny"], "input": "ok", "context": "y" * 50,
                                         "align": "text"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+class Normalizing(TinyTokenizer):
+    """TinyTokenizer, but it drops carriage returns: its tokens do not spell such a text back."""
+
+    def encode(self, text, add_special_tokens=True):
+        return super().encode(text.replace("\r", ""), add_special_tokens)
+
+
+class RulesOutByte(FakeBackend):
+    """A fake whose every distribution gives token 7 (TinyTokenizer's byte 0x07) probability zero."""
+
+    def _row(self, a, b):
+        row = super()._row(a, b).astype(np.float64)
+        row[7] = -np.inf
+        row -= np.log(np.exp(row).sum())
+        return row.astype(np.float32)
+
+
+def test_a_tokenizer_that_changes_the_text_is_refused(three):
+    norm = FakeBackend(Normalizing(), name="lab/norm", aliases=("norm",))
+    with client_of([*three, norm]) as c:
+        r = c.post("/v1/compare", json={"models": ["smol", "norm"], "input": "a\r\nb", "align": "text"})
+        message = refusal(r, 400, "input")
+        assert "the tokens of lab/norm do not spell the text back" in message and "at byte 1" in message
+        assert c.post("/v1/compare", json={"models": ["smol", "norm"], "input": "a\nb", "align": "text"}).status_code == 200
+    assert [len(b.calls) for b in (*three, norm)] == [1, 0, 0, 1]
+
+
+def test_a_ruled_out_token_is_written_minus_9999(three):
+    """A span whose token a model gives probability zero: -9999.0 (the wire's -inf), and the differences
+    and sums are of the written values."""
+    smol, _, tiny = three
+    zero = RulesOutByte(TinyTokenizer(), name="lab/zero", aliases=("zero",))
+    with client_of([smol, tiny, zero]) as c:
+        out = c.post("/v1/compare", json={"models": ["tiny", "zero"], "input": "a\x07b", "align": "text"}).json()
+    assert out["spans"]["text"] == ["a", "\x07", "b"]
+    lps = out["spans"]["logprobs"]
+    assert lps[1][1] == -9999.0 and lps[1][0] > -9999.0 and lps[0][1] > -9999.0
+    assert out["tokenizations"][1]["token_logprobs"][1] == -9999.0
+    assert out["spans"]["difference"][1][0] == pytest.approx(-9999.0 - lps[1][0])
+    assert out["summary"]["logprob"][1] == pytest.approx(lps[0][1] - 9999.0 + lps[2][1])
+    assert out["disagreements"][0] == 1
