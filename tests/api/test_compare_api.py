@@ -173,9 +173,9 @@ def refusal(r, status: int, param: str | None, code: str = "invalid_request") ->
 
 
 @pytest.mark.parametrize("body,status,param,words", [
-    ({"models": ["a"], "input": TEXT}, 400, "models", "expected two model names, got 1"),
+    ({"models": ["a"], "input": TEXT}, 400, "models", "expected two model names (two or more with 'align': 'text'), got 1"),
     ({"models": ["a", "b", "a"], "input": TEXT}, 400, "models", "got 3"),
-    ({"models": ["a", "lab/model-a"], "input": TEXT}, 400, "models", "both names are the model lab/model-a"),
+    ({"models": ["a", "lab/model-a"], "input": TEXT}, 400, "models", "'a' and 'lab/model-a' are both the model lab/model-a"),
     ({"models": "a,b", "input": TEXT}, 400, "models", "Invalid type for 'models'"),
     ({"models": ["a", 2], "input": TEXT}, 400, "models", "Invalid type for 'models'"),
     ({"input": TEXT}, 400, "models", "Missing required parameter: 'models'"),

@@ -51,7 +51,8 @@ BODIES = {
                               "temperature": 0, "logprobs": True, "top_logprobs": 2} for t in TEXTS]
     + [{"model": "tiny", "messages": [{"role": "user", "content": "Is it?"}], "max_tokens": 4, "temperature": 0,
         "structured_outputs": {"choice": [" yes", " no"]}}],
-    "/v1/compare": [{"models": ["tiny", "tiny-b"], "input": t} for t in TEXTS],
+    "/v1/compare": [{"models": ["tiny", "tiny-b"], "input": t} for t in TEXTS]
+    + [{"models": ["tiny", "tiny-b"], "input": t, "align": "text"} for t in TEXTS[:3]],
     "/v1/responses": [{"model": "tiny", "input": t, "instructions": "Be brief.", "max_output_tokens": 3,
                        "temperature": 0, "include": ["message.output_text.logprobs"], "top_logprobs": 2}
                       for t in TEXTS],

@@ -1,11 +1,14 @@
-"""POST /v1/compare: two served models read the same tokens; how far apart are their next-token
-distributions at each position? KL divergence both ways, Jensen-Shannon, top-1 agreement and each
-model's log probability of the actual token (docs/api.md, section 5.1).
+"""POST /v1/compare: two served models read the same tokens (`align: "tokens"`, the default); how far
+apart are their next-token distributions at each position? KL divergence both ways, Jensen-Shannon,
+top-1 agreement and each model's log probability of the actual token (docs/api.md, section 5.1).
 
 Both models must share one tokenizer (the same vocabulary, token by token, and the same ids for this
 text): the comparison is over one vocabulary. Each model runs the tokens once with the whole vocabulary
 at every position (`prompt_logprobs: -1`), so the whole-vocabulary cap bounds the tokens. The two
 [P, V] float32 rows are compared in float64 (output/divergence.py).
+
+With `align: "text"`, two or more models of any tokenizers are compared on the text's spans instead:
+each step below hands the request to span_comparing.py.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from ..config import Limits
 from ..output.divergence import divergences, mean_or_none
 from ..output.logprobs import NEG_INF_WIRE, TokenNamer, wire_floats
 from ..tokens import TextAssembler
+from . import span_comparing
 from .caps import check_request_caps, check_text_length
 from .errors import APIError, InvalidRequest
 from .schemas import CompareBody
@@ -35,6 +39,7 @@ class CompareRequest:
     context: str | None
     add_special_tokens: bool
     return_tokens_as_token_ids: bool
+    align: str = "tokens"  # "text": any tokenizers, compared on the text's spans (span_comparing.py)
 
 
 @dataclass
@@ -45,24 +50,28 @@ class CompareItem:
 
 def parse(body: dict, limits: Limits) -> CompareRequest:
     req = CompareBody.parse(body, limits)
-    return CompareRequest(req.models, req.input, req.context, req.add_special_tokens, req.return_tokens_as_token_ids)
+    return CompareRequest(req.models, req.input, req.context, req.add_special_tokens, req.return_tokens_as_token_ids,
+                          req.align)
 
 
 def resolve(req: CompareRequest, resolve_model) -> tuple:
-    """The two backends (`resolve_model`: a name -> its backend, raising 404 `model_not_found`), which must
-    share a vocabulary."""
-    pair = []
+    """The backends (`resolve_model`: a name -> its backend, raising 404 `model_not_found`), each named
+    once; with `align: "tokens"` the two must share a vocabulary."""
+    found = []
     for name in req.models:
         try:
-            pair.append(resolve_model(name))
+            backend = resolve_model(name)
         except APIError as exc:
             exc.param = "models"
             raise
-    if pair[0] is pair[1]:
-        raise InvalidRequest(f"Invalid value for 'models': both names are the model {pair[0].info.name}; "
-                             "name two different models.", "models")
-    check_same_vocabulary(*pair)
-    return tuple(pair)
+        if backend in found:
+            other = req.models[found.index(backend)]
+            raise InvalidRequest(f"Invalid value for 'models': {other!r} and {name!r} are both the model "
+                                 f"{backend.info.name}; name each model once.", "models")
+        found.append(backend)
+    if req.align == "tokens":
+        check_same_vocabulary(*found)
+    return tuple(found)
 
 
 _VOCAB_CHECKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -94,12 +103,16 @@ def _vocabulary_difference(a, b) -> str | None:
 
 def not_one_tokenizer(a, b, why: str) -> InvalidRequest:
     return InvalidRequest(f"The models {a.info.name} and {b.info.name} do not share a tokenizer ({why}); "
-                          "/v1/compare compares two distributions over one vocabulary.", "models")
+                          "/v1/compare compares two distributions over one vocabulary. To compare them on the "
+                          "text's spans instead, send 'align': 'text'.", "models")
 
 
 def tokenize(pair: tuple, req: CompareRequest) -> CompareItem:
-    """context + input as both models' tokenizers read them; 400 if they differ. Like /v1/score, context
-    and input are tokenized apart; the special tokens (BOS) go in front of the first of them."""
+    """context + input as both models' tokenizers read them; 400 if they differ (`align: "text"`: each
+    model's own tokens, aligned on the text). Like /v1/score, context and input are tokenized apart;
+    the special tokens (BOS) go in front of the first of them."""
+    if req.align == "text":
+        return span_comparing.tokenize(pair, req)
     (ids_a, first_a), (ids_b, first_b) = [_tokenize(backend, req) for backend in pair]
     if ids_a == ids_b and first_a != first_b:
         raise not_one_tokenizer(*pair, f"the context is {first_a} tokens in one and {first_b} in the other")
@@ -126,7 +139,9 @@ def _tokenize(backend, req: CompareRequest) -> tuple[list[int], int]:
 
 def check_caps(pair: tuple, req: CompareRequest, item: CompareItem, limits: Limits) -> None:
     """The context length of each model, then the whole-vocabulary cap (the smaller of the two models':
-    every position of context and input is read whole)."""
+    every position of context and input is read whole). `align: "text"`: each model's scoring caps."""
+    if req.align == "text":
+        return span_comparing.check_caps(pair, req, item, limits)
     for backend in pair:
         check_request_caps(backend, [item.token_ids], SamplingParams(max_tokens=0), None, limits,
                            prompt_param="input", max_tokens_param="input")
@@ -143,7 +158,10 @@ def check_caps(pair: tuple, req: CompareRequest, item: CompareItem, limits: Limi
 
 
 def build_requests(pair: tuple, req: CompareRequest, item: CompareItem, request_id: str) -> list[GenerationRequest]:
-    """One request per model: the tokens, nothing generated, every position's whole vocabulary."""
+    """One request per model: the tokens, nothing generated, every position's whole vocabulary
+    (`align: "text"`: each model's /v1/score request)."""
+    if req.align == "text":
+        return span_comparing.build_requests(pair, req, item, request_id)
     params = SamplingParams(max_tokens=0, prompt_logprobs=-1)
     return [GenerationRequest(request_id, list(item.token_ids), params) for _ in pair]
 
@@ -156,7 +174,10 @@ def jobs(pair: tuple, requests: list[GenerationRequest]) -> list[tuple]:
 def format_response(pair: tuple, req: CompareRequest, item: CompareItem, requests: list[GenerationRequest],
                     outputs: list[GenerationOutput]) -> tuple[dict, None]:
     """The comparison over the input's tokens (the context's are run, not compared). Position 0 of a
-    text with nothing before it has no distribution: null in every list, left out of the summary."""
+    text with nothing before it has no distribution: null in every list, left out of the summary.
+    `align: "text"`: the spans (span_comparing.py)."""
+    if req.align == "text":
+        return span_comparing.format_response(pair, req, item, requests, outputs)
     a, b = pair
     cols_a, cols_b = outputs[0].prompt_columns, outputs[1].prompt_columns
     start = max(item.first, 1)  # the first row with a distribution

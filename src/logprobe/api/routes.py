@@ -81,7 +81,10 @@ async def score(request: Request):
 async def compare(request: Request):
     """Two served models that share a tokenizer, on the same tokens: at each position KL(p||q), KL(q||p)
     and Jensen-Shannon divergence (nats) of their next-token distributions, each one's likeliest token
-    and whether they agree, and each one's log probability of the actual token. No generation."""
+    and whether they agree, and each one's log probability of the actual token. With `align: "text"`: two
+    or more models of any tokenizers, each one's log probability of every span of the text where all their
+    tokenizations have a boundary, the differences, bits per byte and the largest disagreements. No
+    generation."""
     return await serve(request, COMPARE)
 
 

@@ -4,8 +4,9 @@
 
 `dense_prompt_logprobs` turns the dense form of `prompt_logprobs: -1` into a [P, V] array;
 `whole_vocab_of_generated` runs the four steps of "Get the whole vocabulary for generated tokens";
-`score`, `score_conversation`, `residual_stream` and `compare` call /v1/score and /v1/compare and return numpy
-columns; `ScoreClient` (client/http.py) is the asynchronous client of /v1/score that retries, for many requests.
+`score`, `score_conversation`, `residual_stream`, `compare` and `compare_spans` call /v1/score and /v1/compare
+and return numpy columns; `ScoreClient` (client/http.py) is the asynchronous client of /v1/score that retries,
+for many requests.
 """
 
 from __future__ import annotations
@@ -203,6 +204,42 @@ def compare(base_url: str, models: list[str], text, context: str | None = None, 
     return Comparison(out["models"], out["tokens"], np.asarray(out["token_ids"]), column(pos["kl_pq"], np.nan),
                       column(pos["kl_qp"], np.nan), column(pos["js"], np.nan), top1,
                       column(pos["logprobs"], np.nan, 2).reshape(-1, 2), out["summary"], out)
+
+
+@dataclass
+class SpanComparison:
+    """Models of any tokenizers on one text (POST /v1/compare with `align: "text"`), one row per span;
+    the wire's -9999.0 read back as -inf."""
+
+    models: list[str]
+    spans: list[str]  # each span's text; joined, the input
+    logprobs: np.ndarray  # [S, M] each model's log probability of the span (nats)
+    difference: np.ndarray  # [S, M - 1] each later model's minus the first's
+    spread: np.ndarray  # [S] the largest minus the smallest
+    disagreements: list[int]  # up to 10 span indices, the largest spread first
+    bits_per_byte: np.ndarray  # [M]
+    summary: dict
+    raw: dict
+
+
+def compare_spans(base_url: str, models: list[str], text: str, context: str | None = None,
+                  api_key: str | None = None, timeout: float = 600.0) -> SpanComparison:
+    """POST /v1/compare with `align: "text"`: each served model's log probability of every span of the
+    text where all their tokenizations have a boundary, their differences and bits per byte."""
+    body = {"models": list(models), "input": text, "align": "text"}
+    if context is not None:
+        body["context"] = context
+    out = _request(base_url, "/v1/compare", body, api_key, timeout)
+    spans, width = out["spans"], len(out["models"])
+
+    def column(values, shape):
+        array = np.array(values, dtype=np.float64).reshape(shape)
+        return np.where(array <= -9999.0, -np.inf, array)
+
+    return SpanComparison(out["models"], spans["text"], column(spans["logprobs"], (-1, width)),
+                          np.array(spans["difference"], dtype=np.float64).reshape(-1, width - 1),
+                          np.array(spans["spread"], dtype=np.float64), out["disagreements"],
+                          np.array(out["summary"]["bits_per_byte"], dtype=np.float64), out["summary"], out)
 
 
 def residual_arrays(residual_stream: dict) -> dict[int, np.ndarray]:

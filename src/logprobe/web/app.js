@@ -2,7 +2,7 @@
 // elsewhere). Score: tokens coloured by surprisal, alternatives, charts, and (with two models served)
 // their divergence at each token. Generate: a streamed continuation with alternatives and branching, and
 // the token tree below the prompt (a collapsible list).
-// Compare: several texts side by side. Lens: layers x positions. Patch: one position patched layer by layer.
+// Compare: several texts side by side, and several models (of any tokenizers) on one text. Lens: layers x positions. Patch: one position patched layer by layer.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -380,6 +380,51 @@ async function runCompare() {
   } catch (e) { setStatus("compare-status", e.message, true); }
 }
 
+// Several models on one text, aligned on the spans where all their tokenizations cut (POST /v1/compare, align "text").
+const shortName = (name) => name.split("/").pop();
+function differenceColour(d) {          // d in [-1, 1]: blue where the second model gives more, orange where less
+  const a = Math.min(1, Math.abs(d)) * 0.6;
+  return d >= 0 ? `rgba(40, 87, 197, ${a.toFixed(3)})` : `rgba(230, 120, 20, ${a.toFixed(3)})`;
+}
+
+function spanFacts(out, i) {
+  return out.models.map((m, k) => `${shortName(m)}: ${fmt(out.spans.logprobs[i][k], 3)} (${out.spans.num_tokens[i][k]} tokens)`);
+}
+
+async function runModels() {
+  const text = $("models-text").value;
+  const models = [...document.querySelectorAll("#models-pick input:checked")].map((c) => c.value);
+  if (models.length < 2) { setStatus("models-status", "Choose at least two models.", true); return; }
+  if (!text) { setStatus("models-status", "Write a text.", true); return; }
+  setStatus("models-status", "Reading the text with each model…");
+  try {
+    const out = await api("/v1/compare", { models, input: text, align: "text" });
+    const s = out.summary, diff = out.spans.difference.map((row) => row[0]);
+    $("models-totals").replaceChildren(...out.models.map((m, k) => el("span", { class: "bpb" },
+      `${shortName(m)}: ${fmt(s.bits_per_byte[k], 3)} bits per byte, ${s.num_tokens[k]} tokens`)));
+    const scale = Math.max(1e-9, ...diff.map(Math.abs)), spans = $("models-spans");
+    spans.replaceChildren();
+    out.spans.text.forEach((t, i) => {
+      const node = el("span", { class: "tok span", tabindex: "0", "data-span": String(i),
+        title: spanFacts(out, i).join("\n") }, visible(t));
+      node.style.background = differenceColour(diff[i] / scale);
+      spans.appendChild(node);
+    });
+    const table = $("models-table"), head = el("tr");
+    head.append(el("th", {}, "Span"), ...out.models.map((m) => el("th", {}, `log prob, ${shortName(m)}`)),
+      el("th", {}, "Spread"));
+    table.tHead.replaceChildren(head);
+    table.tBodies[0].replaceChildren(...out.disagreements.map((i) => {
+      const tr = el("tr", { "data-span": String(i) });
+      tr.append(el("td", { class: "mono" }, visible(JSON.stringify(out.spans.text[i]))),
+        ...out.spans.logprobs[i].map((lp) => el("td", {}, fmt(lp, 3))), el("td", {}, fmt(out.spans.spread[i], 3)));
+      return tr;
+    }));
+    const top = out.disagreements.length ? JSON.stringify(out.spans.text[out.disagreements[0]]) : "–";
+    setStatus("models-status", `${s.num_spans} spans over ${s.num_bytes} bytes; they disagree most on ${top}.`);
+  } catch (e) { setStatus("models-status", e.message, true); }
+}
+
 // ---- Lens view --------------------------------------------------------------------------------
 // The served model's card and every n-th of its layers (n from the input `stepId`), the last one always.
 async function everyNthLayer(stepId) {
@@ -491,6 +536,13 @@ async function loadModels() {
   vs.replaceChildren(el("option", { value: "" }, "(none)"));
   for (const m of models.data) vs.appendChild(el("option", { value: m.id }, m.id));
   $("score-vs-label").hidden = models.data.length < 2;
+  const pick = $("models-pick");        // the models compared on one text: the first two ticked
+  pick.replaceChildren(el("legend", {}, "Models"));
+  models.data.forEach((m, i) => {
+    const box = el("input", { type: "checkbox", value: m.id });
+    box.checked = i < 2;
+    const label = el("label", {}); label.append(box, " " + m.id); pick.appendChild(label);
+  });
   try {
     state.bosId = (await api("/tokenizer_info")).bos_token_id;
     setStatus("score-status", "Ready.");
@@ -512,4 +564,5 @@ $("compare-add").addEventListener("click", () => {
   $("compare-inputs").appendChild(el("textarea", { class: "compare-text", rows: "2", "aria-label": `Text ${n}` }));
 });
 $("compare-run").addEventListener("click", runCompare);
+$("models-run").addEventListener("click", runModels);
 loadModels();
