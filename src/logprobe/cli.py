@@ -10,7 +10,8 @@ import sys
 import threading
 import time
 
-from .config import Settings, build_parser, configure_logging, log_api_keys, resolve_models, settings_from_args
+from .config import (Settings, build_parser, configure_logging, install_hint, log_api_keys, resolve_models,
+                     settings_from_args)
 
 __all__ = ["build_parser", "settings_from_args", "main", "serve", "serve_replicas", "load_engines", "port_taken"]
 
@@ -126,8 +127,8 @@ def serve_replicas(settings: Settings) -> int:
     try:
         from .cluster import launch, ray_app
     except ImportError as exc:
-        print(f"logprobe: --replicas runs on Ray Serve, which is not installed ({exc.name}): "
-              "pip install 'logprobe[ray]'", file=sys.stderr)
+        print(f"logprobe: --replicas runs on Ray Serve, which is not installed ({exc.name}): {install_hint('ray')}",
+              file=sys.stderr)
         return 2
     try:
         ray_app.parse_replicas(settings.replicas)

@@ -10,6 +10,13 @@ import os
 from dataclasses import dataclass, field, fields
 
 
+
+def install_hint(extra: str) -> str:
+    """How to install one of the package's extras: the README installs logprobe from a checkout, where
+    `pip install 'logprobe[EXTRA]'` finds no such package."""
+    return (f"in your checkout of logprobe, pip install -e '.[{extra}]' (installed from a package index: "
+            f"pip install 'logprobe[{extra}]')")
+
 def option(default, help: str):
     """A settings field that is also a `logprobe serve` flag: its default and its --help text."""
     return field(default=default, metadata={"help": help})
@@ -195,7 +202,7 @@ def _add_serve(serve: argparse.ArgumentParser) -> None:
                        help="port to listen on (default 8000); a port another program holds is refused")
     serve.add_argument("--log-level", default=env_default("log_level", s.log_level),
                        help="debug, info (default: start-up, one access line per request), warning or error")
-    cluster = serve.add_argument_group("replicas on Ray Serve (docs/cluster.md; pip install 'logprobe[ray]')")
+    cluster = serve.add_argument_group("replicas on Ray Serve (docs/cluster.md; needs the ray extra: pip install -e '.[ray]' in a checkout)")
     cluster.add_argument("--replicas", default=env_default("replicas", s.replicas), metavar="N|MIN:MAX",
                          help="serve N model replicas behind one address (MIN:MAX: autoscaled); without it, "
                               "one process")
@@ -281,7 +288,8 @@ def _add_score_ray(group) -> None:
     group.add_argument("--report", action="store_true", help="with --input: print the rows of highest and lowest "
                        "perplexity and, with --tokens, the most surprising tokens")
     group.add_argument("--ray", action="store_true", help="score on Ray: a Ray Data pipeline over --workers actors, "
-                       "each holding the model, --chunk-rows rows a batch (pip install 'logprobe[ray]')")
+                       "each holding the model, --chunk-rows rows a batch (needs the ray extra: pip install -e '.[ray]' in a "
+                       "checkout)")
     group.add_argument("--ray-address", metavar="ADDRESS",
                        default=env_default("ray_address", None),
                        help="with --ray: join this Ray cluster (default: a local Ray on 127.0.0.1)")

@@ -15,6 +15,8 @@ import sys
 
 import orjson
 
+from .config import install_hint
+
 
 def score_in_process(args) -> dict:
     from .engine.runners import loader
@@ -141,6 +143,11 @@ def score_dataset(args) -> int:
 
             hf_logging.disable_progress_bar()  # the weights' loading bar
         if args.ray:
+            try:
+                import ray.data  # noqa: F401
+            except ImportError as exc:
+                raise DatasetError(f"--ray scores on Ray Data, which is not installed ({exc.name}): "
+                                   f"{install_hint('ray')}") from None
             from .datasets import ray_job
 
             count = ray_job.run_from_args(args, output, options, read_opts, progress)

@@ -145,3 +145,16 @@ def test_a_batch_line_with_a_conflict_is_a_400_record(tiny_engine, tmp_path):
         (error,) = lines_of(oai, done.error_file_id)
         assert error["response"]["status_code"] == 400 and AT_SECOND in error["response"]["body"]["error"]["message"]
         assert health(client) == before
+
+
+def test_a_tree_whose_root_allows_nothing_is_a_400(client):
+    """/v1/tree under masks that leave no first token has no tree to give: the same 400; a node deeper
+    down that allows nothing is a leaf (docs/api.md, /v1/tree)."""
+    before = health(client)
+    body = {"model": "tiny", "prompt": "x", "depth": 2, "branches": 2, **FIRST}
+    refused(client.post("/v1/tree", json=body), AT_FIRST)
+    later = client.post("/v1/tree", json={"model": "tiny", "prompt": "x", "depth": 3, "branches": 2, **LATER})
+    assert later.status_code == 200, later.text
+    nodes = later.json()["nodes"]
+    assert [n["token_id"] for n in nodes] == [YES]  # " yes", then nothing: a leaf
+    assert health(client) == before

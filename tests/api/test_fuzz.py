@@ -560,7 +560,7 @@ WRONG_TYPES = {
     },
     "/v1/compare": {
         "models": "tiny", "input": 5, "context": ["x"], "add_special_tokens": "true", "return_tokens_as_token_ids": 1,
-        "stream": "no", "user": 3,
+        "stream": "no", "user": 3, "align": 5,
     },
     "/tokenize": {"model": 5, "prompt": [1, 2], "add_special_tokens": 1},
     "/detokenize": {"model": {}, "tokens": "1 2"},

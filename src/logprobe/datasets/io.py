@@ -11,6 +11,8 @@ import json
 import os
 from dataclasses import dataclass
 
+from ..config import install_hint
+
 FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "parquet", ".txt": "txt"}
 
 
@@ -55,9 +57,7 @@ class Prepared:
         return len(self.item.prepared[0].token_ids) if self.item is not None else 0
 
 
-# the README installs logprobe from a checkout, where `pip install 'logprobe[data]'` finds no such package
-DATA_EXTRA = ("in your checkout of logprobe, pip install -e '.[data]' (installed from a package index: "
-              "pip install 'logprobe[data]')")
+DATA_EXTRA = install_hint("data")
 
 
 def require_data_extra():

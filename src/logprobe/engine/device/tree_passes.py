@@ -15,7 +15,7 @@ import torch
 from ...backend import SamplingParams, TreeShape
 from .instruments import entropy_of, ranks_of
 from .sampler import BatchSettings, filtered_scores
-from .steering import Steering, steered_distributions
+from .steering import Steering, conflict_at, steered_distributions
 from ..host.tree import Children, TreeGroup
 
 def grow_tree(runner, tree: TreeGroup, new_grammar_state=None) -> None:
@@ -29,7 +29,9 @@ def grow_tree(runner, tree: TreeGroup, new_grammar_state=None) -> None:
 def steering_masks(tree: TreeGroup, vocab: int, new_grammar_state) -> np.ndarray | None:
     """[R, V] bool: the tokens each frontier node's path may be followed by (allowed_token_ids, bad words
     that the path would complete, the grammar after the path), or None where nothing is masked. A row
-    that allows nothing stays empty: its node gets no children."""
+    that allows nothing stays empty: its node gets no children; at the root (the tree's first token)
+    that leaves no tree at all, and it is the request's own conflict (a 400 naming the fields, as a
+    completion's first token: steering.conflict_at)."""
     params, steering = tree.params, Steering(tree.params, vocab, "cpu")
     rows = []
     for node in tree.frontier:
@@ -40,7 +42,10 @@ def steering_masks(tree: TreeGroup, vocab: int, new_grammar_state) -> np.ndarray
             for token in path:
                 state.advance(token)
             grammar = (state.allowed(), state.is_accepting)
-        rows.append(steering.row_mask(path, *grammar))
+        mask = steering.row_mask(path, *grammar)
+        if node < 0 and mask is not None and not mask.any():
+            raise conflict_at(params, 0)
+        rows.append(mask)
     if all(mask is None for mask in rows):
         return None
     return np.stack([np.ones(vocab, dtype=bool) if mask is None else mask for mask in rows])
