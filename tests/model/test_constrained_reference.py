@@ -80,19 +80,6 @@ def tid(name: str) -> int:
     return int(name.split(":")[1])
 
 
-def constrained_text(engine, choice) -> str:
-    """The choice's text without the stop token that ended it. A stop token that the tokenizer does not
-    mark special is rendered into the text (transformers 5.6 reads the bundled GGUF's <|im_end|> so, with
-    <|im_start|> as its end of sequence): the grammar constrains the text before it."""
-    text = choice["text"]
-    last = tid(choice["logprobs"]["tokens"][-1])
-    if choice["finish_reason"] == "stop" and last in stop_ids(engine):
-        rendered = engine.table.text_bytes(last).decode("utf-8", errors="replace")
-        if rendered and text.endswith(rendered):
-            text = text[:-len(rendered)]
-    return text
-
-
 def logsumexp(values: np.ndarray) -> float:
     return float(np.logaddexp.reduce(values))
 
@@ -153,7 +140,7 @@ def test_choice_list_against_reference(client, reference, tiny_engine, seed):
     out = post(client, prompt=prompt, max_tokens=8, logprobs=5, logprobs_mode="both", seed=seed,
                structured_outputs={"choice": CHOICES}, return_tokens_as_token_ids=True)
     choice = out["choices"][0]
-    text = constrained_text(tiny_engine, choice)
+    text = choice["text"]
     assert text in CHOICES and choice["finish_reason"] == "stop"
     check_choice(tiny_engine, reference, prompt_ids, choice, answer_allowed(tiny_engine, text), 5)
 
@@ -164,7 +151,7 @@ def test_digits_regex_against_reference(client, reference, tiny_engine, seed):
     out = post(client, prompt=prompt_ids, max_tokens=5, logprobs=3, logprobs_mode="both", seed=seed,
                structured_outputs={"regex": "[0-9]*"}, return_tokens_as_token_ids=True)
     choice = out["choices"][0]
-    assert re.fullmatch("[0-9]*", constrained_text(tiny_engine, choice))
+    assert re.fullmatch("[0-9]*", choice["text"])
     check_choice(tiny_engine, reference, prompt_ids, choice, lambda text: digits_allowed(tiny_engine, text), 3)
 
 
@@ -194,7 +181,7 @@ def test_schema_samples_validate_and_follow_the_processed_numbers(client, refere
                    response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}},
                    return_tokens_as_token_ids=True)
         for choice in out["choices"]:
-            texts.append(constrained_text(tiny_engine, choice))
+            texts.append(choice["text"])
             tokens = [tid(t) for t in choice["logprobs"]["tokens"]]
             assert tokens[:len(forced)] == forced
             next_tokens.append(tokens[len(forced)])
