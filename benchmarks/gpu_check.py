@@ -367,7 +367,7 @@ def client_loop_path(engine, model64, calls=24):
 
 def prompt_step_path(engine, model64):
     """Interactive scoring requests in a pass held at its first block while a generation is queued
-    (test_interleaved_steps, `_prompt_step`): its prompt runs there; every number as uninterrupted and alone."""
+    (test_interleaved_steps, `_between_blocks`): its prompt runs there; every number as uninterrupted and alone."""
     import test_interleaved_steps as steps
 
     scores = [steps.make(engine, f"Scoring text {i} " + "with a few more words " * (3 + i), max_tokens=0,
@@ -376,7 +376,7 @@ def prompt_step_path(engine, model64):
     seen = []
     steps.FirstBlock(engine, lambda n: seen.append((n, len(stream.sequences[0].token_ids),
                                                    sum(g.is_finished for g in scores))),
-                     hook="_prompt_step").run(scores, [stream])
+                     hook="_between_blocks").run(scores, [stream])
     notes = {"at_first_block": bool(seen) and seen[0] == (1, 1, 0)}
     alone = steps.copies([stream], engine.table)
     run_groups(engine, alone)

@@ -94,12 +94,12 @@ class FirstBlock:
         self.original = getattr(engine, hook)
         self.in_pass, self.queued = threading.Event(), threading.Event()
 
-    def __call__(self) -> None:
+    def __call__(self, tokens: int = 0) -> None:
         if not self.in_pass.is_set():
             self.in_pass.set()  # the batch pass has begun: hold it until the interactive requests are queued
             assert self.queued.wait(PATIENCE_S)
         before = self.engine.num_steps
-        self.original()
+        self.original(tokens)
         if self.after is not None:
             self.after(self.engine.num_steps - before)
 
@@ -161,12 +161,17 @@ def test_an_interactive_request_runs_at_the_next_block_of_a_batch_pass(engine, r
     np.testing.assert_allclose(seq.logprobs, [ref[start + i][t] for i, t in enumerate(seq.token_ids)], atol=TOL)
 
 
-def test_a_stream_is_prefilled_at_the_next_block_of_a_scoring_pass(engine, reference):
+@pytest.mark.parametrize("decode_every", [512, 16])
+def test_a_stream_is_prefilled_at_the_next_block_of_a_scoring_pass(engine, reference, decode_every):
     """Interactive scoring requests in a prompt-only pass, and a generation that arrives once the pass
     has begun: at the pass's first block a step runs the generation's prompt alone and picks its first
-    token, before any scoring request is answered (`_prompt_step`); at the later blocks nothing runs (it
-    decodes in the steps around the pass). The scoring requests' numbers are those of the same pass
-    uninterrupted, the generation's those it gets alone, bit for bit, and the reference's."""
+    token, before any scoring request is answered (`_between_blocks`). At a later block the generation
+    decodes a step once the pass has run `score_batch_tokens_decoding` padded tokens (over all its
+    blocks) since: the pass here is ~100 tokens, so with the default (512) it decodes only in the steps
+    around the pass, with 16 at the second block (the tiny model's last; the head runs count none). The
+    scoring requests' numbers are those of the same pass uninterrupted, the generation's those it gets
+    alone, bit for bit, and the reference's."""
+    engine.scheduler.score_batch_tokens_decoding = decode_every
     scores = [make(engine, f"Scoring text {i} " + "with a few more words " * (3 + i), max_tokens=0, prompt_logprobs=2)
               for i in range(3)]
     stream = make(engine, "An interactive question about rivers", max_tokens=5, temperature=0, logprobs=3)
@@ -176,8 +181,13 @@ def test_a_stream_is_prefilled_at_the_next_block_of_a_scoring_pass(engine, refer
         seen.append({"steps": steps, "tokens": len(stream.sequences[0].token_ids),
                      "scored": sum(g.is_finished for g in scores)})
 
-    FirstBlock(engine, after, hook="_prompt_step").run(scores, [stream])
+    FirstBlock(engine, after, hook="_between_blocks").run(scores, [stream])
+    padded = len(scores) * max(len(g.prompt_ids) for g in scores)
+    assert engine.info.num_layers == 2 and padded < 512 and 2 * padded >= 2 * 16
     assert seen[0] == {"steps": 1, "tokens": 1, "scored": 0}
+    if decode_every == 16:
+        assert seen[1] == {"steps": 1, "tokens": 2, "scored": 0}  # a decode step at the second block
+        seen = seen[1:]
     assert all(s["steps"] == 0 for s in seen[1:])
     assert all(g.error is None and g.is_finished for g in [*scores, stream])
     assert_as_uninterrupted(engine, scores)

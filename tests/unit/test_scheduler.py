@@ -494,9 +494,10 @@ def test_an_interactive_step_holds_interactive_prompts_and_every_decoding_row():
 
 
 def test_prompts_admitted_between_the_blocks_of_a_scoring_pass():
-    """`schedule_prompts` (a step between the blocks of an interactive prompt-only pass): the interactive
-    generations' prompts are admitted past the prompt-only groups queued ahead of them, and get a chunk;
-    the prompt-only and batch groups stay queued in their order; the running rows are not in it."""
+    """`schedule_between_blocks` (a step between the blocks of an interactive prompt-only pass): the
+    interactive generations' prompts are admitted past the prompt-only groups queued ahead of them, and
+    get a chunk; the prompt-only and batch groups stay queued in their order; the running rows decode
+    there only when the engine asks (once per `score_batch_tokens_decoding` tokens of the pass)."""
     scheduler = Scheduler(prefill_chunk_tokens=8, interleaves=True)
     running = group("running", 3, max_tokens=10)
     scheduler.add(running)
@@ -508,20 +509,23 @@ def test_prompts_admitted_between_the_blocks_of_a_scoring_pass():
     outer = scheduler.schedule()  # the pass of score1 alone (two would pass the budget), the running row
     assert names(outer.score) == ["score1"] and names(outer.decode) == ["running"] and not outer.prefill
     assert names(scheduler.waiting) == ["score2", "stream", "score3", "line"] and scheduler.has_prompts_to_admit
-    plan = scheduler.schedule_prompts()
+    plan = scheduler.schedule_between_blocks()
     assert chunks(plan) == [("stream", 8)] and not (plan.score or plan.decode or plan.trees)
     assert "stream" not in names(scheduler.waiting) and names(scheduler.prefilling) == ["stream"]
     assert names(scheduler.waiting) == ["score2", "score3", "line"]
-    assert chunks(scheduler.schedule_prompts()) == [("stream", 8)]
-    assert chunks(scheduler.schedule_prompts()) == [("stream", 4)]
+    plan = scheduler.schedule_between_blocks(decode=True)
+    assert chunks(plan) == [("stream", 8)] and names(plan.decode) == ["running"]
+    assert chunks(scheduler.schedule_between_blocks()) == [("stream", 4)]
     scheduler.prefilled(scheduler.prefilling[0])
-    assert not scheduler.has_prompts_to_admit and scheduler.schedule_prompts() is None
+    assert not scheduler.has_prompts_to_admit and scheduler.schedule_between_blocks() is None
     assert names(scheduler.running) == ["running", "stream"]
+    plan = scheduler.schedule_between_blocks(decode=True)  # no prompt: the running rows alone
+    assert names(plan.decode) == ["running", "stream"] and not (plan.prefill or plan.score)
 
 
 def test_no_prompt_to_admit_leaves_the_queue_as_it_is():
     scheduler = Scheduler(prefill_chunk_tokens=8, interleaves=True)
     for made in (group("score1", 30, max_tokens=0), batch("line", 5)):
         scheduler.add(made)
-    assert not scheduler.has_prompts_to_admit and scheduler.schedule_prompts() is None
+    assert not scheduler.has_prompts_to_admit and scheduler.schedule_between_blocks() is None
     assert names(scheduler.waiting) == ["score1", "line"]

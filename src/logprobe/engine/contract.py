@@ -66,8 +66,9 @@ class Runner(Protocol):
         """A token tree's next level (its prompt first): [rows, V] raw log probabilities."""
 
     # ---- interleaving batch passes with interactive steps ----------------------------------
-    def interleaved(self, step: Callable[[], None]) -> AbstractContextManager:
-        """Within it, a prompt-only pass calls `step()` between its blocks (only where `interleaves`)."""
+    def interleaved(self, step: Callable[[int], None]) -> AbstractContextManager:
+        """Within it, a prompt-only pass calls `step(tokens)` between its blocks (only where `interleaves`):
+        `tokens` the padded positions the block just done went through (0 before a run of the head)."""
 
     def interleaving_paused(self) -> AbstractContextManager:
         """Within it (an interactive step run from `step()`), passes do not call `step()`."""

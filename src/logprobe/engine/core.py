@@ -55,6 +55,7 @@ class EngineCore:
         # that can stop between its blocks lets interactive steps into a batch pass
         self.scheduler = Scheduler(prefill_chunk_tokens=runner.prefill_chunk_tokens, interleaves=runner.interleaves)
         self.outputs = OutputProcessor(info.context_length)
+        self._block_tokens = 0  # padded tokens of an interactive prompt-only pass since its rows last decoded
         self._inbox: queue.SimpleQueue[SequenceGroup | None] = queue.SimpleQueue()
         # held while one submit puts its groups: the loop takes them all into one schedule, never part
         self._submitting = threading.Lock()
@@ -257,7 +258,8 @@ class EngineCore:
 
     def _score(self, groups: list[SequenceGroup]) -> None:
         if self.scheduler.interleaves:  # a batch pass lets interactive steps in; an interactive one, prompts
-            with self.runner.interleaved(self._interactive_step if groups[0].is_batch else self._prompt_step):
+            self._block_tokens = 0  # and decode steps (the step this pass is in decoded the rows already)
+            with self.runner.interleaved(self._interactive_step if groups[0].is_batch else self._between_blocks):
                 self.runner.prefill_batch(groups)
         else:
             self.runner.prefill_batch(groups)
@@ -265,7 +267,7 @@ class EngineCore:
             self.outputs.finish_prompt_only(group)
             self._per_request(group, self._after_step)
 
-    def _interactive_step(self) -> None:
+    def _interactive_step(self, tokens: int = 0) -> None:
         """Between two blocks of a batch pass (and before each chunk of its head): a step of the
         interactive groups, when there are any (new requests are taken from the inbox first). An
         interactive request thus waits for a block of batch work, not for the pass; while interactive
@@ -281,16 +283,24 @@ class EngineCore:
             if plan is not None:
                 self._run_step(plan)
 
-    def _prompt_step(self) -> None:
-        """Between two blocks of an interactive prompt-only pass: a step of the interactive generations'
-        prompts that wait or are being prefilled (Scheduler.schedule_prompts), so a stream that arrives
-        while scoring requests queue gets its first token after a block of scoring, not after each of
-        their passes. Its own passes are not interleaved."""
+    def _between_blocks(self, tokens: int = 0) -> None:
+        """Between two blocks of an interactive prompt-only pass (`tokens`: the padded positions of the
+        block just done): a step of the interactive generations' prompts that wait or are being prefilled,
+        so a stream that arrives while scoring requests queue gets its first token after a block of
+        scoring, not after each of their passes; and a decode step of the running rows once per
+        `score_batch_tokens_decoding` padded tokens of the pass (counted over all its blocks), so that
+        while they decode the pass keeps its full size and they their pace (Scheduler.schedule_between_blocks).
+        Its own passes are not interleaved."""
         self._drain_inbox(block=False)
-        if not self.scheduler.has_prompts_to_admit:
+        self._block_tokens += tokens
+        decode = bool(self.scheduler.running) and \
+            self._block_tokens >= self.info.num_layers * self.scheduler.score_batch_tokens_decoding
+        if not (decode or self.scheduler.has_prompts_to_admit):
             return
+        if decode:
+            self._block_tokens = 0
         with self.runner.interleaving_paused():
-            plan = self.scheduler.schedule_prompts()
+            plan = self.scheduler.schedule_between_blocks(decode)
             self._finish_dropped()
             if plan is not None:
                 self._run_step(plan)

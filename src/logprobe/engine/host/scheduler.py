@@ -25,10 +25,14 @@ between its blocks (`interleaves`, the lean runner): the engine serves interacti
 not by the pass. Where it cannot, a batch prompt-only pass holds `batch_step_tokens` at most, and a
 longer scoring line is prefilled in chunks.
 An interactive prompt-only pass (a `/v1/score` request, up to `score_batch_tokens` padded tokens) stops
-between its blocks too, where the runner can: for the prompts of interactive generations
-(`schedule_prompts`), admitted past the prompt-only groups queued before them, so a stream's first
-token waits for a block of scoring, not for every queued score pass; running rows keep decoding a step
-per pass, as before.
+between its blocks too, where the runner can (`schedule_between_blocks`): the prompts of interactive
+generations are admitted past the prompt-only groups queued before them, so a stream's first token
+waits for a block of scoring, not for every queued score pass, and the running rows decode a step
+there once per `score_batch_tokens_decoding` padded tokens of the pass, so that one long prompt does not
+stall them. While rows decode, such a pass takes `score_batch_tokens_decoding` padded tokens (a longer
+prompt alone): a pass of eight 500-token requests beside 16 decoding streams gained no measurable
+throughput and made its blocks, which an arriving stream's first token waits for, eight times longer
+(docs/performance.md, Mixed load).
 
 The scheduler keeps how many prompt tokens of each group have been computed
 (`SequenceGroup.num_computed_tokens`), counting a chunk as done when it plans it: a step that fails
@@ -80,7 +84,9 @@ class Scheduler:
                  interleaves: bool = False):
         self.max_running = max_running  # groups decoding (or prefilling) at once
         self.score_batch_tokens = score_batch_tokens  # padded tokens in one batched prompt-only pass
-        self.score_batch_tokens_decoding = score_batch_tokens_decoding  # the same, while others decode
+        # the same while others decode; where the runner stops between blocks, also the padded tokens of a
+        # pass between two of their decode steps
+        self.score_batch_tokens_decoding = score_batch_tokens_decoding
         self.max_score_batch = max_score_batch
         self.prefill_tokens = prefill_tokens  # prompt tokens still to prefill, over the groups admitted to it
         self.max_prefilling = max_prefilling
@@ -173,16 +179,17 @@ class Scheduler:
     @property
     def has_prompts_to_admit(self) -> bool:
         """Whether an interactive generation's prompt waits (behind prompt-only groups or not) or is
-        being prefilled: what `schedule_prompts` would run."""
+        being prefilled: what `schedule_between_blocks` would run."""
         return any(not g.is_batch and g.params.max_tokens > 0 for g in self.waiting) or \
             any(not g.is_batch for g in self.prefilling)
 
-    def schedule_prompts(self) -> Plan | None:
+    def schedule_between_blocks(self, decode: bool = False) -> Plan | None:
         """A step run between the blocks of an interactive prompt-only pass (core.py): interactive
         generations' prompts, admitted past the prompt-only groups queued ahead of them (each of which
-        would otherwise hold them for a whole pass), and a chunk of each interactive prompt being
-        prefilled. Nothing else: the running rows decode in the steps around the pass. None when there
-        is no such prompt."""
+        would otherwise hold them for a whole pass), a chunk of each interactive prompt being prefilled,
+        and with `decode` a decode step of every running group (batch ones too: a decode pass takes every
+        row of the KV cache; the engine asks for one per `score_batch_tokens_decoding` tokens of the pass).
+        No prompt-only group, no batch prompt, no tree. None when there is nothing of that."""
         self._drop_aborted()
         i = 0
         while i < len(self.waiting) and not self.waiting[i].is_batch:
@@ -198,9 +205,10 @@ class Scheduler:
             del self.waiting[i]
             self.prefilling.append(group)
         prefilling = [g for g in self.prefilling if not g.is_batch]
-        if not prefilling:
+        running = list(self.running) if decode else []
+        if not (prefilling or running):
             return None
-        return Plan(prefill=self._chunks(prefilling, decoding=True))
+        return Plan(prefill=self._chunks(prefilling, decoding=True), decode=running)
 
     def _prompt_only_first(self, interactive_only: bool = False) -> bool:
         if not self.waiting or (interactive_only and self.waiting[0].is_batch):
@@ -235,8 +243,9 @@ class Scheduler:
 
     def _take_prompt_only(self) -> list[SequenceGroup]:
         """Consecutive waiting groups of one priority that only read their prompt, as many as fit one
-        padded batch (a smaller one while other groups decode, so that their step stays short). Batch
-        groups never join an interactive group's pass: it would be longer."""
+        padded batch (a smaller one while other groups decode, so that their step stays short, and where
+        the runner interleaves the blocks an arriving stream waits for too). Batch groups never join an
+        interactive group's pass: it would be longer."""
         batch = [self.waiting.popleft()]
         longest = batch[0].num_prompt_tokens
         budget = self.score_batch_tokens_decoding if self.running else self.score_batch_tokens

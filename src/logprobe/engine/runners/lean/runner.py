@@ -142,7 +142,7 @@ class LeanRunner:
             if capture is not None:
                 capture(layer + 1, x.view(b, t, -1))
             if self.between_blocks is not None:
-                self.between_blocks()
+                self.between_blocks(b * t)
         return self.final_norm(x).view(b, t, -1)
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> dict:
@@ -159,7 +159,7 @@ class LeanRunner:
     def logprobs_of(self, hidden: torch.Tensor) -> torch.Tensor:
         """Raw next-token log probabilities, float32, for final-norm hidden states [..., D]."""
         if self.between_blocks is not None:
-            self.between_blocks()
+            self.between_blocks(0)
         logits = self.head(hidden).float()
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
@@ -188,7 +188,8 @@ class LeanRunner:
 
     @contextmanager
     def interleaved(self, step):
-        """Within the block, the passes call `step()` after each block and before each head run, and the
+        """Within the block, the passes call `step(tokens)` after each block (`tokens`: its padded positions)
+        and `step(0)` before each head run, and the
         head runs over fewer positions at a time (~30 ms in float32 on two cores, against ~130 ms at
         256), so that a step waits for little batch work however long the pass."""
         chunk = self.columns.chunk_positions
