@@ -183,7 +183,7 @@ def test_a_stream_is_prefilled_at_the_next_block_of_a_scoring_pass(engine, refer
 
     FirstBlock(engine, after, hook="_between_blocks").run(scores, [stream])
     padded = len(scores) * max(len(g.prompt_ids) for g in scores)
-    assert engine.info.num_layers == 2 and padded < 512 and 2 * padded >= 2 * 16
+    assert engine.info.num_layers == 2 and padded < 512 and 2 * padded >= engine.info.num_layers * 16
     assert seen[0] == {"steps": 1, "tokens": 1, "scored": 0}
     if decode_every == 16:
         assert seen[1] == {"steps": 1, "tokens": 2, "scored": 0}  # a decode step at the second block
@@ -191,6 +191,48 @@ def test_a_stream_is_prefilled_at_the_next_block_of_a_scoring_pass(engine, refer
     assert all(s["steps"] == 0 for s in seen[1:])
     assert all(g.error is None and g.is_finished for g in [*scores, stream])
     assert_as_uninterrupted(engine, scores)
+    alone, = copies([stream], engine.table)
+    asyncio.run(engine.run_groups([alone]))
+    assert numbers(alone) == numbers(stream)
+    seq = stream.sequences[0]
+    ref = reference.logprobs(stream.prompt_ids + seq.token_ids).numpy()
+    start = len(stream.prompt_ids) - 1
+    assert seq.token_ids == [int(np.argmax(ref[start + i])) for i in range(len(seq.token_ids))]
+    np.testing.assert_allclose(seq.logprobs, [ref[start + i][t] for i, t in enumerate(seq.token_ids)], atol=TOL)
+
+
+def test_running_rows_decode_between_the_blocks_of_a_long_scoring_prompt(engine, reference):
+    """A stream decoding when a long scoring prompt's pass begins (both sent together: the stream's
+    prompt runs first, the pass in the next step) decodes a step between the pass's blocks once per
+    `score_batch_tokens_decoding` padded tokens of it (64 here: a 200-token pass through 2 blocks gives
+    one at each block), and ends with the float64 reference's greedy tokens and log probabilities, its
+    numbers those it gets alone, bit for bit; the scoring prompt's those of the same pass uninterrupted."""
+    engine.scheduler.score_batch_tokens_decoding = 64
+    stream = make(engine, "An interactive question about rivers", max_tokens=12, temperature=0, logprobs=3)
+    ids = (engine.tokenizer("A long text to score, " + "one river after another " * 60).input_ids)[:200]
+    score = SequenceGroup("interactive-long", ids, SamplingParams(max_tokens=0, prompt_logprobs=2), engine.table)
+    assert len(ids) == 200 and engine.info.num_layers == 2
+    original, seen = engine._between_blocks, []
+
+    def counted(tokens: int = 0) -> None:
+        before = len(stream.sequences[0].token_ids)
+        original(tokens)
+        seen.append((tokens, len(stream.sequences[0].token_ids) - before))
+
+    async def main():
+        with gathered(engine):
+            done = engine.submit([stream, score])
+        await asyncio.gather(*done)
+
+    engine._between_blocks = counted
+    try:
+        asyncio.run(main())
+    finally:
+        del engine._between_blocks
+    assert all(g.error is None and g.is_finished for g in (stream, score))
+    assert [new for tokens, new in seen if tokens] == [1, 1]  # a token at each block of the pass
+    assert all(new == 0 for tokens, new in seen if not tokens)  # none before the head's runs
+    assert_as_uninterrupted(engine, [score])
     alone, = copies([stream], engine.table)
     asyncio.run(engine.run_groups([alone]))
     assert numbers(alone) == numbers(stream)

@@ -288,8 +288,8 @@ class EngineCore:
         block just done): a step of the interactive generations' prompts that wait or are being prefilled,
         so a stream that arrives while scoring requests queue gets its first token after a block of
         scoring, not after each of their passes; and a decode step of the running rows once per
-        `score_batch_tokens_decoding` padded tokens of the pass (counted over all its blocks), so that
-        while they decode the pass keeps its full size and they their pace (Scheduler.schedule_between_blocks).
+        `score_batch_tokens_decoding` padded tokens of the pass (counted over all its blocks), so that a
+        long scoring prompt does not stall them for its whole pass (Scheduler.schedule_between_blocks).
         Its own passes are not interleaved."""
         self._drain_inbox(block=False)
         self._block_tokens += tokens
