@@ -124,6 +124,23 @@ class FirstBlock:
         assert self.in_pass.is_set()
 
 
+def assert_as_alone(engine, group: SequenceGroup) -> None:
+    """The group's numbers are those a copy of it gets run alone, bit for bit."""
+    alone, = copies([group], engine.table)
+    asyncio.run(engine.run_groups([alone]))
+    assert numbers(alone) == numbers(group), group.request_id
+
+
+def assert_greedy_as_reference(reference, group: SequenceGroup) -> None:
+    """A greedy group's tokens are the float64 reference's argmax at each step, their log probabilities
+    the reference's within TOL."""
+    seq = group.sequences[0]
+    ref = reference.logprobs(group.prompt_ids + seq.token_ids).numpy()
+    start = len(group.prompt_ids) - 1
+    assert seq.token_ids == [int(np.argmax(ref[start + i])) for i in range(len(seq.token_ids))]
+    np.testing.assert_allclose(seq.logprobs, [ref[start + i][t] for i, t in enumerate(seq.token_ids)], atol=TOL)
+
+
 def test_an_interactive_request_runs_at_the_next_block_of_a_batch_pass(engine, reference):
     assert engine.scheduler.interleaves
     lines, asked = batch_lines(engine), interactive_requests(engine)
@@ -147,18 +164,12 @@ def test_an_interactive_request_runs_at_the_next_block_of_a_batch_pass(engine, r
     # they get alone, bit for bit; and all are the float64 reference's
     assert_as_uninterrupted(engine, lines)
     for group in asked:
-        alone, = copies([group], engine.table)
-        asyncio.run(engine.run_groups([alone]))
-        assert numbers(alone) == numbers(group), group.request_id
+        assert_as_alone(engine, group)
     for group in [*lines, asked[0]]:
         ref = reference.logprobs(group.prompt_ids).numpy()
         want = [ref[i - 1][group.prompt_ids[i]] for i in range(1, len(group.prompt_ids))]
         np.testing.assert_allclose(group.prompt_columns.logprobs[1:], want, atol=TOL)
-    seq = asked[1].sequences[0]
-    ref = reference.logprobs(asked[1].prompt_ids + seq.token_ids).numpy()
-    start = len(asked[1].prompt_ids) - 1
-    assert seq.token_ids == [int(np.argmax(ref[start + i])) for i in range(len(seq.token_ids))]
-    np.testing.assert_allclose(seq.logprobs, [ref[start + i][t] for i, t in enumerate(seq.token_ids)], atol=TOL)
+    assert_greedy_as_reference(reference, asked[1])
 
 
 @pytest.mark.parametrize("decode_every", [512, 16])
@@ -191,14 +202,8 @@ def test_a_stream_is_prefilled_at_the_next_block_of_a_scoring_pass(engine, refer
     assert all(s["steps"] == 0 for s in seen[1:])
     assert all(g.error is None and g.is_finished for g in [*scores, stream])
     assert_as_uninterrupted(engine, scores)
-    alone, = copies([stream], engine.table)
-    asyncio.run(engine.run_groups([alone]))
-    assert numbers(alone) == numbers(stream)
-    seq = stream.sequences[0]
-    ref = reference.logprobs(stream.prompt_ids + seq.token_ids).numpy()
-    start = len(stream.prompt_ids) - 1
-    assert seq.token_ids == [int(np.argmax(ref[start + i])) for i in range(len(seq.token_ids))]
-    np.testing.assert_allclose(seq.logprobs, [ref[start + i][t] for i, t in enumerate(seq.token_ids)], atol=TOL)
+    assert_as_alone(engine, stream)
+    assert_greedy_as_reference(reference, stream)
 
 
 def test_running_rows_decode_between_the_blocks_of_a_long_scoring_prompt(engine, reference):
@@ -233,14 +238,8 @@ def test_running_rows_decode_between_the_blocks_of_a_long_scoring_prompt(engine,
     assert [new for tokens, new in seen if tokens] == [1, 1]  # a token at each block of the pass
     assert all(new == 0 for tokens, new in seen if not tokens)  # none before the head's runs
     assert_as_uninterrupted(engine, [score])
-    alone, = copies([stream], engine.table)
-    asyncio.run(engine.run_groups([alone]))
-    assert numbers(alone) == numbers(stream)
-    seq = stream.sequences[0]
-    ref = reference.logprobs(stream.prompt_ids + seq.token_ids).numpy()
-    start = len(stream.prompt_ids) - 1
-    assert seq.token_ids == [int(np.argmax(ref[start + i])) for i in range(len(seq.token_ids))]
-    np.testing.assert_allclose(seq.logprobs, [ref[start + i][t] for i, t in enumerate(seq.token_ids)], atol=TOL)
+    assert_as_alone(engine, stream)
+    assert_greedy_as_reference(reference, stream)
 
 
 def test_an_interactive_step_that_fails_leaves_the_batch_pass_whole(engine, monkeypatch):
@@ -300,10 +299,5 @@ def test_batch_lines_that_decode_go_on_in_the_interactive_steps(engine, referenc
     assert all(g.error is None and g.is_finished for g in generating + lines + asked)
     assert any(decoded_inside)  # an interactive step decoded batch rows beside the interactive one
     for group in generating + asked:
-        seq = group.sequences[0]
-        ref = reference.logprobs(group.prompt_ids + seq.token_ids).numpy()
-        start = len(group.prompt_ids) - 1
-        assert seq.token_ids == [int(np.argmax(ref[start + i])) for i in range(len(seq.token_ids))]
-        np.testing.assert_allclose(seq.logprobs, [ref[start + i][t] for i, t in enumerate(seq.token_ids)],
-                                   atol=TOL)
+        assert_greedy_as_reference(reference, group)
     assert_as_uninterrupted(engine, lines)
