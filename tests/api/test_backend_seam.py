@@ -363,7 +363,8 @@ def nothing_held(client) -> None:
     assert health["tokens_held"] == 0 and health["requests_running"] == 0, health
 
 
-BODY = {"model": "tiny", "prompt": "The sky", "max_tokens": 5, "logprobs": 1}
+# greedy: the same 5 tokens each run (a sampled one is now and then the end of sequence, and these tests count)
+BODY = {"model": "tiny", "prompt": "The sky", "max_tokens": 5, "logprobs": 1, "temperature": 0}
 
 
 def test_unavailable_backend_is_503(fake_client, fake_backend, monkeypatch):
@@ -390,7 +391,7 @@ def test_unavailable_backend_while_streaming_is_an_event(fake_client, fake_backe
     monkeypatch.setattr(fake_backend, "fail_after_steps", after)
     for path, body in [("/v1/completions", BODY),
                        ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
-                                                 "max_tokens": 5})]:
+                                                 "max_tokens": 5, "temperature": 0})]:
         r = fake_client.post(path, json={**body, "stream": True})
         if after == 0:
             err = r.json()["error"]
@@ -418,7 +419,7 @@ def test_a_requests_conflict_is_its_400(fake_client, fake_backend, monkeypatch, 
     failures = fake_client.get("/health").json()["engine_failures"]
     for path, body in [("/v1/completions", BODY),
                        ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
-                                                 "max_tokens": 5})]:
+                                                 "max_tokens": 5, "temperature": 0})]:
         for stream in (False, True):
             r = fake_client.post(path, json={**body, "stream": stream})
             if stream and after:

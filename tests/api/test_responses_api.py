@@ -84,7 +84,7 @@ def test_message_input_with_instructions_and_parts(oai, fake_client, fake_backen
 
 
 def test_without_include_no_logprobs_are_computed(oai, fake_backend):
-    response = oai.responses.create(model=MODEL, input="Hi", max_output_tokens=3)
+    response = oai.responses.create(model=MODEL, input="Hi", max_output_tokens=3, temperature=0)
     assert fake_backend.calls[-1].requests[0].params.logprobs is None
     assert response.output[0].content[0].logprobs == [] and response.top_logprobs == 0
     assert response.usage.output_tokens == 3
