@@ -107,6 +107,7 @@ def test_a_short_wait_for_the_budget_is_served_in_order():
     async def until(take):
         while not take.done():
             await asyncio.sleep(0.01)
+        await _settle()  # its done callbacks run on the loop's next turn, not when done() turns true
 
     async def main():
         assert (await state.take("a", 5900, 1.0))["kind"] == "ok"  # 100 left
