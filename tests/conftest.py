@@ -4,6 +4,7 @@ reference forward, and a test client around an engine."""
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -116,3 +117,75 @@ def client(tiny_engine):
     app = create_app(tiny_engine, Limits())
     with TestClient(app, raise_server_exceptions=False) as c:
         yield c
+
+
+# ---------------------------------------------------------------------------------------------------
+# Running side by side (pytest-xdist, `-n`), and where the time goes.
+
+# Modules that start a local Ray cluster (or a `--replicas` server on one): one at a time, on one worker.
+RAY_MODULES = {"test_replicas.py", "test_batch_replicas.py", "test_cluster_budget_ray.py", "test_dataset_ray.py"}
+# A test that takes longer than this on its own says why in its docstring (docs/development.md).
+SLOW_S = 10.0
+SLOW_REASON = "slow:"
+
+
+def xdist_group_of(item) -> str:
+    """The group a test runs in under `--dist loadgroup`: its module (a module's fixtures are built once),
+    except the Ray modules, which share one group."""
+    name = item.path.name
+    return "ray" if name in RAY_MODULES else str(item.path.relative_to(item.config.rootpath))
+
+
+# Under xdist, the groups are handed out in the order collected: the longest first, so that no worker is
+# left alone with a long one at the end (the Ray group and the other end-to-end modules, then the models').
+FIRST = ["ray", "tests/e2e", "tests/model", "tests/api", "tests/unit"]
+
+
+def _order(item) -> int:
+    group = xdist_group_of(item)
+    return next((i for i, prefix in enumerate(FIRST) if group.startswith(prefix)), len(FIRST))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(xdist_group_of(item)))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=_order)  # stable: a module's tests keep their order
+
+
+def slow_reason(item) -> str | None:
+    """The reason a slow test gives: a line of its own docstring, or its module's, that starts "Slow:"."""
+    for holder in (getattr(item, "function", None), getattr(item, "module", None)):
+        for line in ((getattr(holder, "__doc__", None) or "").splitlines()):
+            if line.strip().lower().startswith(SLOW_REASON):
+                return line.strip()
+    return None
+
+
+_SLOW: dict[str, float] = {}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if slow_reason(item) is None:
+        report.user_properties.append(("unexplained_s", round(call.stop - call.start, 2)))
+
+
+def pytest_runtest_logreport(report):
+    """Collects (in the controller too, under xdist) the phases of tests that ran past SLOW_S with no
+    reason given."""
+    for key, value in report.user_properties:
+        if key == "unexplained_s" and value > SLOW_S:
+            _SLOW[report.nodeid] = max(_SLOW.get(report.nodeid, 0.0), value)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _SLOW:
+        terminalreporter.section(f"over {SLOW_S:g} s with no 'Slow:' line in the docstring")
+        for nodeid, seconds in sorted(_SLOW.items(), key=lambda kv: -kv[1]):
+            terminalreporter.write_line(f"{seconds:8.1f}s  {nodeid}")
+        terminalreporter.write_line("(a machine's speed varies: this is a list to read, not a failure; see "
+                                    "docs/development.md, 'A slow test')")

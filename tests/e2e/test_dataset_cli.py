@@ -4,6 +4,8 @@ every row once with the same numbers; bad input exits 2 with a message and no ou
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import signal
@@ -18,6 +20,7 @@ pa = pytest.importorskip("pyarrow")
 import pyarrow.parquet as pq  # noqa: E402
 
 from dataset_rows import mixed_rows, write_all  # noqa: E402
+from logprobe import cli  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 TOL = 2e-4
@@ -33,6 +36,16 @@ def command(*args) -> list[str]:
 def run_cli(*args) -> subprocess.CompletedProcess:
     # The loaded 2-core machine may be slow; 900 s only stops a hung run
     return subprocess.run(command(*args), capture_output=True, text=True, timeout=900)
+
+
+def run_in_process(*args) -> subprocess.CompletedProcess:
+    """`logprobe score ARGS` through the CLI's own `main` in this process: the refusals need no process of
+    their own (a process's exit status is `main`'s return value; test_a_refusal_exits_2_from_a_process
+    checks that once through a real process)."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = cli.main(["score", *args])
+    return subprocess.CompletedProcess(command(*args), code, "", err.getvalue())
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +179,7 @@ def test_bad_input_exits_2_without_output(tmp_path, name, content, flags, messag
     path = tmp_path / name
     path.write_text(content, encoding="utf-8")
     out = tmp_path / "out.parquet"
-    done = run_cli("--input", str(path), "--output", str(out), *flags)
+    done = run_in_process("--input", str(path), "--output", str(out), *flags)
     assert done.returncode == 2, done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("logprobe score: ") and message in last
@@ -181,8 +194,21 @@ def test_several_input_files_need_an_output(tmp_path, pattern):
     folder.mkdir()
     (folder / "a.jsonl").write_text('{"text": "a"}\n', encoding="utf-8")
     given = str(folder) if pattern == "dir" else str(folder / pattern)
-    done = run_cli("--input", given, "--ray")
+    done = run_in_process("--input", given, "--ray")
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines()[-1] == (f"logprobe score: {given} names several files: give --output "
                                                     "(a .parquet, .jsonl or .csv file)")
     assert sorted(os.listdir(folder)) == ["a.jsonl"]
+
+
+def test_a_refusal_exits_2_from_a_process(tmp_path):
+    """The refusals above run through the CLI's `main` in process; a real `logprobe score` process exits
+    with its return value, 2, and writes nothing."""
+    path = tmp_path / "missing.jsonl"
+    path.write_text('{"body": "a"}\n', encoding="utf-8")
+    out = tmp_path / "out.parquet"
+    done = run_cli("--input", str(path), "--output", str(out))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (f"logprobe score: {path}: no column 'text' (--column); the "
+                                                     "columns are: 'body'")
+    assert not out.exists() and not os.path.exists(str(out) + ".parts")

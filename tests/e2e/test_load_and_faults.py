@@ -55,7 +55,7 @@ def loaded_server():
     proc, base = start_server("--max-queue", "48", "--queue-timeout", "20", "--max-tokens-in-flight", "2048")
     yield proc, base
     proc.terminate()
-    proc.wait(timeout=60)
+    proc.wait(timeout=600)  # the drain (30 s at most) and the exit, on a loaded machine
 
 
 def stable(path: str, body: dict, payload):

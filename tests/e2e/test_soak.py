@@ -40,7 +40,7 @@ def test_soak_mix_with_idle_gaps():
         metrics = httpx.get(base + "/metrics", timeout=30).text
     finally:
         proc.terminate()
-        proc.wait(timeout=60)
+        proc.wait(timeout=600)  # the drain (30 s at most) and the exit, on a loaded machine
     log = server_log(proc)
     assert not res.problems, res.problems[:10]
     assert set(res.statuses) <= {0, 200}, res.statuses  # 0: a client that left on purpose

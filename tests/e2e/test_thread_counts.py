@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.e2e
+
 WORKER = r"""
 import asyncio, json, sys
 import logprobe  # first, as every logprobe process does: it sets MKL's mode before torch loads

@@ -1,0 +1,136 @@
+"""The whole test run, as the README's test command gives it: the suite, and the unit, model and API
+tests at both ends of every dependency range (tests/version_ranges.py), side by side.
+
+    python tests/ci.py [--workers N] [--serial]
+
+- The suite runs on N pytest-xdist workers (default: the machine's logical CPUs, at least 2), a module's
+  tests on one worker (its fixtures are built once) and the modules that start a local Ray cluster one
+  after another on one worker (tests/conftest.py, `xdist_group_of`).
+- While it runs, the two range environments are built (`pip install`: downloads and unpacking, mostly
+  waiting), then their tests start at a lower CPU priority (`nice`): they take the time the suite's
+  workers leave, while a worker waits on a server or a subprocess, and all of it once the suite is done.
+  Their output goes to a file each and is printed whole when they end.
+- `--serial` runs the three parts one after another, the suite on one process.
+- `--coverage` runs the suite under coverage.py (`[tool.coverage.run]` in pyproject.toml: the server and CLI
+  processes the tests start are measured too) and prints its line coverage of src/ at the end. It is
+  several times slower on Python-heavy tests: a measurement, not the CI run.
+
+Every part's wall time is printed at the end, with the slowest tests of the suite (`--durations`, from
+pyproject.toml) above it. The exit status is the first non-zero one of the parts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import version_ranges  # noqa: E402
+
+ROOT = version_ranges.ROOT
+ENDS = ["lowest", "highest"]
+NICE = 10
+
+
+class Part:
+    def __init__(self, name: str):
+        self.name = name
+        self.started = time.monotonic()
+        self.built_s: float | None = None
+        self.ended: float | None = None
+        self.code: int | None = None
+        self.log: Path | None = None
+
+    def wall(self) -> float:
+        return (self.ended or time.monotonic()) - self.started
+
+
+def run_range(part: Part, end: str, quiet: bool) -> None:
+    """Build the environment of one end of the ranges, then run its tests (output to a file when quiet)."""
+    try:
+        python = version_ranges.build(end)
+        part.built_s = time.monotonic() - part.started
+        command = [str(python), "-m", "pytest", *version_ranges.TESTS]
+        if quiet:
+            command = ["nice", "-n", str(NICE), *command]
+            part.log = Path(tempfile.mkstemp(prefix=f"logprobe-range-{end}-", suffix=".log")[1])
+            with open(part.log, "w", encoding="utf-8") as out:
+                part.code = subprocess.run(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT).returncode
+        else:
+            part.code = subprocess.run(command, cwd=ROOT).returncode
+    except BaseException as error:  # a failed build fails the run, with its reason
+        print(f"{end} end: {type(error).__name__}: {error}", flush=True)
+        part.code = 1
+    finally:
+        part.ended = time.monotonic()
+
+
+def pytest_command(coverage: bool) -> list[str]:
+    """The suite's pytest, under coverage.py ([tool.coverage.run] in pyproject.toml) when asked."""
+    if coverage:
+        for stale in ROOT.glob(".coverage*"):
+            stale.unlink()
+        return [sys.executable, "-m", "coverage", "run", "-m", "pytest"]
+    return [sys.executable, "-m", "pytest"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workers", type=int, default=max(2, os.cpu_count() or 1),
+                        help="pytest-xdist workers for the suite (default: logical CPUs, at least 2)")
+    parser.add_argument("--serial", action="store_true", help="the three parts one after another, no workers")
+    parser.add_argument("--coverage", action="store_true",
+                        help="run the suite under coverage.py (much slower) and print its line coverage of src/")
+    args = parser.parse_args()
+    begin = time.monotonic()
+
+    suite = Part("suite")
+    ranges = {end: Part(f"{end} end") for end in ENDS}
+    threads = []
+    if args.serial:
+        suite.code = subprocess.run([*pytest_command(args.coverage), "-p", "no:xdist"], cwd=ROOT).returncode
+        suite.ended = time.monotonic()
+        for end in ENDS:
+            ranges[end].started = time.monotonic()
+            run_range(ranges[end], end, quiet=False)
+    else:
+        for end in ENDS:
+            thread = threading.Thread(target=run_range, args=(ranges[end], end, True), daemon=True)
+            thread.start()
+            threads.append(thread)
+        suite.code = subprocess.run([*pytest_command(args.coverage), "-n", str(args.workers), "--dist", "loadgroup"],
+                                    cwd=ROOT).returncode
+        suite.ended = time.monotonic()
+        waiting = [end for end in ENDS if ranges[end].ended is None]
+        if waiting:
+            print(f"\nthe suite is done; waiting for the range tests ({', '.join(waiting)})", flush=True)
+        for thread in threads:
+            thread.join()
+        for end in ENDS:
+            part = ranges[end]
+            if part.log is not None:
+                print(f"\n{'=' * 30} {part.name} (tests/version_ranges.py --only {end}) {'=' * 30}", flush=True)
+                print(part.log.read_text(encoding="utf-8", errors="replace"), flush=True)
+                part.log.unlink()
+            print(f"{end} end: pytest exited {part.code}", flush=True)
+
+    if args.coverage:
+        subprocess.run([sys.executable, "-m", "coverage", "combine", "-q"], cwd=ROOT)
+        subprocess.run([sys.executable, "-m", "coverage", "report", "--precision=2", "--skip-covered"], cwd=ROOT)
+    print("\nwall time of each part (s):", flush=True)
+    for part in [suite, *ranges.values()]:
+        built = f", environment built in {part.built_s:.0f}" if part.built_s is not None else ""
+        print(f"  {part.name:>12}: {part.wall():7.0f}{built}; exit {part.code}", flush=True)
+    mode = "one after another" if args.serial else f"side by side, the suite on {args.workers} workers"
+    print(f"  {'in all':>12}: {time.monotonic() - begin:7.0f} ({mode})", flush=True)
+    return next((part.code for part in [suite, *ranges.values()] if part.code), 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
