@@ -82,9 +82,11 @@ class Server:
         return code
 
 
-def start(flags: list[str], ready_timeout: float = 300, prefix: str = "logprobe-") -> Server:
+def start(flags: list[str], ready_timeout: float = 900, prefix: str = "logprobe-") -> Server:
     """`logprobe serve --port P FLAGS` in a session of its own; returns once /health answers 200 (for
-    replicas: once every replica has reported ready)."""
+    replicas: once every replica has reported ready). A process that exits fails at once; the time-out
+    only stops a start that hangs (a Ray cluster of replicas beside a test suite on workers may take
+    minutes on a loaded 2-core machine)."""
     port = free_port()
     log = tempfile.NamedTemporaryFile(prefix=prefix, suffix=".log", delete=False)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_USAGE_STATS_ENABLED": "0"}

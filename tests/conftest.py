@@ -4,6 +4,7 @@ reference forward, and a test client around an engine."""
 from __future__ import annotations
 
 import copy
+import fcntl
 import os
 
 import pytest
@@ -12,10 +13,27 @@ import torch
 from logprobe.engine.runners import loader
 
 
+def _one_at_a_time(make):
+    """make() while holding a lock beside the model cache: side by side (pytest-xdist workers), the first
+    worker to ask dequantizes a GGUF into the cache and the others wait for it, instead of each doing
+    the same minute of work."""
+    root = loader.cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / "tests.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return make()
+
+
 @pytest.fixture(scope="session")
 def smol_dir():
     """The bundled SmolLM2 GGUF, dequantized to a transformers directory (cached across runs)."""
-    return loader.ensure_cached(str(loader.bundled_gguf_path()))
+    return _one_at_a_time(lambda: loader.ensure_cached(str(loader.bundled_gguf_path())))
+
+
+@pytest.fixture(scope="session")
+def gemma_dir():
+    """The second bundled model, Gemma 3 270M, dequantized into the cache before a server starts on it."""
+    return _one_at_a_time(lambda: loader.ensure_packaged_cached(loader.packaged_model("gemma3-270m")))
 
 
 @pytest.fixture(scope="session")

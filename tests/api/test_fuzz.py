@@ -3,6 +3,8 @@ the error envelope of API.md section 9 with the request id and the param that na
 
 Every request goes through `call`, which runs it on a daemon thread and fails the test if no answer
 comes within a time limit (a real guard against hangs, not a measurement after the fact).
+
+Slow: hypothesis sends hundreds of bodies to each endpoint, and 10 MB texts.
 """
 
 from __future__ import annotations

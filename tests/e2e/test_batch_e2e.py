@@ -5,7 +5,9 @@ and the float64 reference's numbers.
 
 The key's token budget (--tokens-per-minute) paces the lines after the first burst, so the first kill
 lands mid-run on any machine: a batch line waits for its budget, it does not fail. The lines' prompt
-tokens are counted first, so that pacing is checked, not assumed."""
+tokens are counted first, so that pacing is checked, not assumed.
+
+Slow: a server killed twice mid-batch and started again, each start loading the model."""
 
 from __future__ import annotations
 

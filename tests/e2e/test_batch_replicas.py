@@ -1,6 +1,8 @@
 """A batch behind `--replicas 2` with one replica killed (SIGKILL) mid-batch: the runner in the ingress
 runs the lost lines again on the other replica (and Serve's replacement), the batch completes, and the
-output has every line exactly once, each the answer its body gets alone."""
+output has every line exactly once, each the answer its body gets alone.
+
+Slow: a Ray cluster of two replicas, 32 generations, a replica killed and replaced."""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
 """The shared token budget on a real Ray actor: a request that is cancelled while its key's budget keeps
 it waiting (its client left, its batch was cancelled) takes nothing when its turn would have come. On
-Ray, being cancelled while awaiting an actor's call leaves the call running; the ingress cancels it."""
+Ray, being cancelled while awaiting an actor's call leaves the call running; the ingress cancels it.
+
+Slow: a local Ray cluster is started for the module."""
 
 from __future__ import annotations
 

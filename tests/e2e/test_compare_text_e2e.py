@@ -2,7 +2,9 @@
 tokenizers, compared on one text (`/v1/compare` with `align: "text"`) through a real server: the spans
 against each tokenizer's own decoding, every number against each model's `/v1/score` of the same text
 on the same server (itself checked against float64 in test_server.py and test_gemma.py), and the
-playground's Compare view showing them."""
+playground's Compare view showing them.
+
+Slow: one server loads both bundled models (on a fresh machine, after Gemma 3 is dequantized)."""
 
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ NAMES = ["HuggingFaceTB/SmolLM2-135M-Instruct-Q4_1", "google/gemma-3-270m-Q4_K_M
 
 
 @pytest.fixture(scope="module")
-def both():
+def both(gemma_dir):
     server = servers.start(["--model", "smollm2-135m", "--model", "gemma3-270m"], prefix="logprobe-span-compare-")
     yield server.base
     assert server.terminate() == 0

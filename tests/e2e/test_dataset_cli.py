@@ -1,6 +1,8 @@
 """`logprobe score --input` on the bundled model through the CLI: a mixed dataset in process and
 through a server equals the float64 reference and itself; SIGKILL at three moments and a rerun give
-every row once with the same numbers; bad input exits 2 with a message and no output; progress lines."""
+every row once with the same numbers; bad input exits 2 with a message and no output; progress lines.
+
+Slow: 300 rows scored by processes of their own on the bundled model, killed and resumed."""
 
 from __future__ import annotations
 

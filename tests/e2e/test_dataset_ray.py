@@ -5,6 +5,8 @@ or written twice, and a stopped job resumed by the same command. One Ray session
 The numbers are compared to float32 rounding, not bit for bit: a row's numbers may move in the last bits
 with the rows that share its batch (docs/api.md, "Batching"), and the Ray job's batches are its blocks, the
 in-process scorer's the engine's own.
+
+Slow: a local Ray cluster whose Ray Data workers each load the bundled model; jobs killed and resumed.
 """
 
 from __future__ import annotations

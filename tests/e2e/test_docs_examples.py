@@ -1,5 +1,7 @@
 """Every runnable example in README.md and docs/**/*.md, run against a real `logprobe serve` on the
-bundled model (the convention: tests/doc_examples.py)."""
+bundled model (the convention: tests/doc_examples.py).
+
+Slow: some examples score datasets in processes of their own, each loading the model."""
 
 from __future__ import annotations
 

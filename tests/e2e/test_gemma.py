@@ -15,7 +15,9 @@ positions of a 700-token text that repeats one sentence (the residual stream the
 relative error of the last hidden state 7e-5). TOL = 1e-3 leaves a margin of 14x over these prompts; a
 wrong mask, window, RoPE table, norm or scale moves log probabilities by tenths to tens of nats (past
 the window, ignoring it changes rows by up to 40 nats). Activations: relative error 3.1e-7 measured,
-RESIDUAL_RTOL = 1e-5."""
+RESIDUAL_RTOL = 1e-5.
+
+Slow: Gemma 3 served by both runners, against its float64 forward."""
 
 from __future__ import annotations
 
@@ -66,11 +68,10 @@ def _report_measured():
 
 
 @pytest.fixture(scope="module", params=["auto", "transformers"])
-def gemma(request):
-    """(base URL, runner) of a server on Gemma 3 270M; the first start dequantizes into the cache."""
+def gemma(request, gemma_dir):
+    """(base URL, runner) of a server on Gemma 3 270M (dequantized into the cache by `gemma_dir`)."""
     head = ([sys.executable, "-c", _FORCE_TRANSFORMERS] if request.param == "transformers"
             else [sys.executable, "-m", "logprobe.cli"])
-    # a first start dequantizes the GGUF (about a minute)
     proc, base = serve_process.start(["--model", MODEL], head=head, limit=600, prefix="logprobe-gemma-")
     try:
         runner = httpx.get(base + f"/v1/models/{MODEL}", timeout=600).json()["runner"]

@@ -1,7 +1,9 @@
 """lm-evaluation-harness's `local-completions` model against logprobe, unchanged: its loglikelihood
 payload (token-id prompts, echo, logprobs 1, max_tokens 1), its is_greedy check and its remote tokenizer
 probe. A small multiple-choice task from a local JSONL file must give the same per-sample
-log-likelihoods (within 1e-4) and the same accuracy as lm-eval's own `hf` model on the same weights."""
+log-likelihoods (within 1e-4) and the same accuracy as lm-eval's own `hf` model on the same weights.
+
+Slow: lm-evaluation-harness runs a task through the server and on its own hf model."""
 
 from __future__ import annotations
 

@@ -5,6 +5,8 @@
 - Faults: clients that leave mid-request and mid-stream, a slow reader of a whole-vocabulary answer:
   the others keep being served and every held token comes back.
 - SIGTERM under load: running requests finish, late ones get 503 (or find the port closed), exit 0.
+
+Slow: 200 clients of load on the bundled model, and servers drained under load.
 """
 
 from __future__ import annotations

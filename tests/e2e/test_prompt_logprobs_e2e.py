@@ -1,5 +1,7 @@
 """prompt_logprobs on the bundled model: k through the openai SDK, the whole vocabulary for 256 tokens,
-the dense form, and the client helper's four-step recipe."""
+the dense form, and the client helper's four-step recipe.
+
+Slow: whole-vocabulary rows for 256 positions over HTTP, against float64."""
 
 from __future__ import annotations
 

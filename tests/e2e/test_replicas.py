@@ -2,7 +2,9 @@
 same answers byte for byte, one token budget for the application, a replica killed under load, /health
 and /metrics through the one address, a taken port refused, access lines and start-up warnings, the
 proxy answering while every replica is saturated, and a quiet SIGTERM drain. Everything listens on 127.0.0.1; each
-load loop is bounded in requests and time."""
+load loop is bounded in requests and time.
+
+Slow: Ray clusters of two replicas, each loading the bundled model; load, a kill, saturation, a drain."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """`logprobe score` (in-process and --url), its chart, and the logprobe.client helpers, on the bundled
-model; the printed numbers are checked against a float64 forward of the same weights."""
+model; the printed numbers are checked against a float64 forward of the same weights.
+
+Slow: `logprobe score` runs in processes of its own, each loading the model."""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
 """`logprobe serve --model A --model B`: one process, two engines, one address. B is the bundled model's
 dequantized transformers directory (the same weights by another route), so both must give the same
-numbers; each is asked by its own name and alias."""
+numbers; each is asked by its own name and alias.
+
+Slow: the server loads the bundled model twice, by two routes."""
 
 from __future__ import annotations
 

@@ -3,7 +3,9 @@ one (`--cpus-per-replica 1`, the default) must answer with the same bits. A floa
 MKL sums in an order that depends on the thread count unless its strict reproducibility mode is on
 (`logprobe/__init__.py`), and so does torch's `sum` over a whole vocabulary (the entropy of
 `position_stats` is summed in one fixed order instead); the bfloat16 and int4 kernels do not depend on
-the threads."""
+the threads.
+
+Slow: each case loads the bundled model in two processes (one thread, two) and generates."""
 
 from __future__ import annotations
 

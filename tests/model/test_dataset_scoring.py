@@ -1,5 +1,7 @@
 """`logprobe score --input` on a tiny random model: a mixed dataset scored in process and through a
-server equals the float64 reference and itself; resume, bad input, retries and the Python API."""
+server equals the float64 reference and itself; resume, bad input, retries and the Python API.
+
+Slow: datasets of hundreds of rows, each row against float64."""
 
 from __future__ import annotations
 

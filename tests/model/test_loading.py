@@ -1,5 +1,7 @@
 """Loading real checkpoints: a directory of safetensors shards, a hub id from the local cache without a
-network, and bfloat16 without a float32 copy of the weights in between."""
+network, and bfloat16 without a float32 copy of the weights in between.
+
+Slow: the bundled model is loaded in several ways (bfloat16, a hub cache, ...)."""
 
 from __future__ import annotations
 

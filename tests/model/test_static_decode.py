@@ -3,7 +3,9 @@ graph and replays, run here eagerly on the CPU. It pads the batch to a power of 
 write into unused slots) and attends over the slab's whole capacity with a length mask (and each
 sliding window's band) instead of the positions held so far. Its answers must be the eager path's,
 and the float64 reference's, while rows join, leave, and move between size classes (where the step
-falls back to the eager path for the steps the batch spans two classes)."""
+falls back to the eager path for the steps the batch spans two classes).
+
+Slow: torch.compile compiles the fixed-shape step on the CPU."""
 
 from __future__ import annotations
 

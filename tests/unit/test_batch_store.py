@@ -2,7 +2,9 @@
 last lines of a batch, moves it to finalizing and finishes it, and kills itself with SIGKILL at the
 k-th line the store executes, for every k; a fresh process then does what a restarted runner does
 (runs the lines not done, finalizes). Every line must be in the output exactly once, the files as long
-as the store says, the counts right. Also: leases, and a dead runner's leases freed on start."""
+as the store says, the counts right. Also: leases, and a dead runner's leases freed on start.
+
+Slow: the store is killed with SIGKILL at every step of answering and finalizing."""
 
 from __future__ import annotations
 

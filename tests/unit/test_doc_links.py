@@ -1,6 +1,8 @@
 """The documentation's links and example markers: every relative link in README.md and docs/**/*.md
 points at a file of the checkout (and at a heading that exists, for a `.md#fragment`), and the example
-parser (tests/doc_examples.py) reads the convention the docs follow."""
+parser (tests/doc_examples.py) reads the convention the docs follow.
+
+Slow: the example runner's own tests start Python processes."""
 
 from __future__ import annotations
 
