@@ -10,7 +10,13 @@ tests at both ends of every dependency range (tests/version_ranges.py), side by 
   waiting), then their tests start at a lower CPU priority (`nice`): they take the time the suite's
   workers leave, while a worker waits on a server or a subprocess, and all of it once the suite is done.
   Their output goes to a file each and is printed whole when they end.
-- `--serial` runs the three parts one after another, the suite on one process.
+- Side by side, every test process computes on one thread (`OMP_NUM_THREADS=1`, unless the caller set
+  it; the servers and CLI processes the tests start inherit it): several processes whose torch each
+  keeps a team of OpenMP threads as large as the machine make those threads wait on each other at
+  every parallel region. Measured on 2 vCPUs, four processes of small matrix products: 10 s each on one
+  thread, 64-77 s each on two.
+- `--serial` runs the three parts one after another, the suite on one process, torch on its own default
+  threads.
 - `--coverage` runs the suite under coverage.py (`[tool.coverage.run]` in pyproject.toml: the server and CLI
   processes the tests start are measured too) and prints its line coverage of src/ at the end. It is
   several times slower on Python-heavy tests: a measurement, not the CI run.
@@ -36,6 +42,8 @@ import version_ranges  # noqa: E402
 ROOT = version_ranges.ROOT
 ENDS = ["lowest", "highest"]
 NICE = 10
+# One compute thread per test process when the parts run side by side (above).
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 class Part:
@@ -100,6 +108,8 @@ def main() -> int:
             ranges[end].started = time.monotonic()
             run_range(ranges[end], end, quiet=False)
     else:
+        for name, value in ONE_THREAD.items():
+            os.environ.setdefault(name, value)
         for end in ENDS:
             thread = threading.Thread(target=run_range, args=(ranges[end], end, True), daemon=True)
             thread.start()

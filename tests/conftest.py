@@ -147,6 +147,17 @@ SLOW_S = 10.0
 SLOW_REASON = "slow:"
 
 
+def pytest_configure(config):
+    """On pytest-xdist workers (`-n N`), torch in each worker, and in the servers and CLI processes its
+    tests start, computes on one thread unless OMP_NUM_THREADS says otherwise: N processes each with a
+    team of OpenMP threads as large as the machine wait on each other's threads at every parallel region
+    (tests/ci.py has the measurement). Set before the workers start, so that they inherit it."""
+    workers = getattr(config.option, "numprocesses", None)
+    if workers and not os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+
 def xdist_group_of(item) -> str:
     """The group a test runs in under `--dist loadgroup`: its module (a module's fixtures are built once),
     except the Ray modules, which share one group."""
