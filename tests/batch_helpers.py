@@ -117,6 +117,11 @@ def assert_same_answer(got, want, tol: float = 1e-5, where: str = "") -> None:
         assert isinstance(got, list) and len(got) == len(want), (where, got, want)
         for i, (a, b) in enumerate(zip(got, want)):
             assert_same_answer(a, b, tol, f"{where}[{i}]")
+    elif tol and "rank" in where.rsplit(".", 1)[-1] and isinstance(want, int) and not isinstance(want, bool):
+        # A rank under float32 rounding: a near-tie in the tail (two of ~49k log probabilities within
+        # rounding) may swap places when the pass differs. Until the engine's step is batch-invariant
+        # (the issue "one planned, batch-invariant engine step"), one place either way.
+        assert isinstance(got, int) and abs(got - want) <= 1, (where, got, want)
     elif isinstance(want, float) and not isinstance(got, bool):
         assert isinstance(got, (int, float)) and math.isclose(got, want, rel_tol=tol, abs_tol=tol), (where, got, want)
     else:
