@@ -158,11 +158,11 @@ def pytest_configure(config):
         os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 
-def xdist_group_of(item) -> str:
-    """The group a test runs in under `--dist loadgroup`: its module (a module's fixtures are built once),
-    except the Ray modules, which share one group."""
-    name = item.path.name
-    return "ray" if name in RAY_MODULES else str(item.path.relative_to(item.config.rootpath))
+def group_of(path: str) -> str:
+    """The group a test runs in on pytest-xdist workers, from its file's path (relative to the root): its
+    module, so that a module's fixtures (a server, a model, a Ray session) are built once; the Ray modules
+    share one group, so that no two Ray sessions start side by side."""
+    return "ray" if path.rsplit("/", 1)[-1] in RAY_MODULES else path
 
 
 # Under xdist, the groups are handed out in the order collected: the longest first, so that no worker is
@@ -171,16 +171,34 @@ FIRST = ["ray", "tests/e2e", "tests/model", "tests/api", "tests/unit"]
 
 
 def _order(item) -> int:
-    group = xdist_group_of(item)
+    group = group_of(str(item.path.relative_to(item.config.rootpath)))
     return next((i for i, prefix in enumerate(FIRST) if group.startswith(prefix)), len(FIRST))
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(xdist_group_of(item)))
     if os.environ.get("PYTEST_XDIST_WORKER"):
         items.sort(key=_order)  # stable: a module's tests keep their order
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`-n N --dist loadscope` (or loadgroup): whole groups (`group_of`) to a worker, in the order collected.
+
+    The scheduler is xdist's own scope scheduler with the scope read from the test's path. xdist's
+    `loadgroup` cannot do it under pytest >= 9.1: it marks a group by appending "@group" to an item's
+    `_nodeid`, which `nodeid` no longer reads, so every test became a group of its own and a module's
+    tests (and its fixtures: servers, models, Ray sessions) were spread over every worker."""
+    if config.getvalue("dist") not in ("loadscope", "loadgroup"):
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid.split("::", 1)[0])
+
+    config.option.loadscopereorder = False  # keep the collected order: longest first
+    return GroupScheduling(config, log)
 
 
 def slow_reason(item) -> str | None:

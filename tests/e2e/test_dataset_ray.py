@@ -41,10 +41,11 @@ WORDS = ("the river bank was steep and the money in the bank was safe ; colourle
 
 
 def _mixed_rows(rng: random.Random) -> list[dict]:
-    """Lengths from empty to ~200 tokens, a shared context on some rows, numbers as ids."""
+    """Lengths from empty to ~60 tokens (mostly short: the rows' count, not their length, makes the chunks
+    a job is cut into and killed or stopped between), a shared context on some rows, numbers as ids."""
     rows = []
     for i in range(NUM_ROWS):
-        length = rng.choice([0, 1, 2, 4, 8, 16, 32, 64]) if i % 37 else 0
+        length = (rng.choice([0, 1, 2, 3, 5, 8]) if i % 60 != 29 else 40) if i % 37 else 0
         row = {"key": 1000 + i, "text": " ".join(rng.choice(WORDS) for _ in range(length))}
         if i % 4 == 0:
             row["question"] = "Answer in one line: what is on the river bank?"

@@ -24,11 +24,13 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def gemma_tokenizer():
+def gemma_tokenizer(request):
+    """Gemma 3's tokenizer, from the second bundled model's cache (`gemma_dir`: made once, under the
+    cache's lock, for the end-to-end Gemma tests and the range ends' tests too)."""
     from transformers import AutoTokenizer
 
     try:
-        directory = loader.ensure_packaged_cached(loader.packaged_model("gemma3-270m"))
+        directory = request.getfixturevalue("gemma_dir")
     except loader.ModelLoadError as exc:
         pytest.skip(str(exc))
     return AutoTokenizer.from_pretrained(str(directory))
