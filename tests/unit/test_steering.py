@@ -133,3 +133,44 @@ def test_steered_distributions_against_float64(temperature, top_k, top_p):
         np.testing.assert_allclose(got[np.isfinite(want)], want[np.isfinite(want)], atol=2e-6)
         raw = rows[r].double().numpy()
         assert mass[r].item() == pytest.approx(np.log(np.exp(raw[allowed]).sum()), abs=2e-6)
+
+
+def test_allowed_logmass_is_never_above_zero():
+    """A mask that leaves out only tokens of negligible mass holds a mass of 1 less a hair; summed from
+    float32 log probabilities that sum to a little more than 1, its log came out slightly positive
+    (+8.6e-6 was seen). A log probability is at most 0, and so is this one."""
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(64, 49152, generator=gen) * 3
+    logits[:, 7] = -60.0  # left out: no mass to speak of
+    rows = torch.log_softmax(logits, dim=-1)
+    masks = np.ones(tuple(rows.shape), dtype=bool)
+    masks[:, 7] = False
+    unclamped = torch.logsumexp(rows.masked_fill(~torch.from_numpy(masks), float("-inf")), dim=-1)
+    assert (unclamped > 0).any()  # the case exists in these rows
+    mass = allowed_logmass(rows, masks)
+    assert (mass <= 0).all()
+    want = np.log(np.exp(rows.double().numpy()[:, masks[0]]).sum(axis=1))
+    np.testing.assert_allclose(mass.numpy(), np.minimum(want, 0), atol=1e-5)
+
+
+def test_scoring_under_a_constraint_gives_no_log_probability_above_zero():
+    """/v1/score's `constraint` block sums a position's allowed mass in float64 from the engine's float32
+    rows, which can sum to a little over 1: the allowed mass, and each token's log probability given
+    the constraint, are at most 0, and the block's sums are the sums of what it reports."""
+    from logprobe.api import constrained_scoring
+    from logprobe.engine.host.grammar import TextCheck
+
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(33, 49152, generator=gen) * 3
+    logits[:, 7] = -60.0
+    full = torch.log_softmax(logits, dim=-1).numpy()
+    ids = np.argmax(full[1:], axis=-1)  # each position's likeliest token: its constrained log probability ~0
+    masks = np.ones((len(ids), full.shape[1]), dtype=bool)
+    masks[:, 7] = False
+    raw = [float(np.logaddexp.reduce(full[1 + j].astype(np.float64)[masks[j]])) for j in range(len(ids))]
+    assert max(raw) > 0  # the case exists in these rows
+    out = constrained_scoring.block(TextCheck(masks, None, True), full, ids, first=1)
+    assert max(out["constraint_logprobs"]) <= 0 and max(out["token_logprobs"]) <= 0
+    np.testing.assert_allclose(out["constraint_logprobs"], np.minimum(raw, 0), atol=1e-12)
+    assert out["constraint_logprob"] == sum(out["constraint_logprobs"])
+    assert out["logprob"] == sum(out["token_logprobs"])

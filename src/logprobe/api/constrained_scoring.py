@@ -67,9 +67,10 @@ def block(check: grammar.TextCheck, full: np.ndarray, ids: np.ndarray, first: in
             constrained.append(None)
             continue
         row = full[position].astype(np.float64)
-        mass = float(np.logaddexp.reduce(row[check.masks[j]]))
+        # float32 log probabilities can sum to a little over 1: a log probability is never above 0
+        mass = min(float(np.logaddexp.reduce(row[check.masks[j]])), 0.0)
         allowed_logmass.append(mass)
-        constrained.append(float(row[token]) - mass)
+        constrained.append(min(float(row[token]) - mass, 0.0))
     kept = [x for x in allowed_logmass if x is not None]
     return {"constraint_logprobs": allowed_logmass, "token_logprobs": constrained,
             "constraint_logprob": float(sum(kept)),

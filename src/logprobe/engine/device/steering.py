@@ -165,11 +165,12 @@ def grammar_rows(group) -> list[tuple[np.ndarray, bool, np.ndarray | None]]:
 
 def allowed_logmass(raw_rows: torch.Tensor, masks: np.ndarray | torch.Tensor | None) -> torch.Tensor:
     """[R] float32: log of the raw probability mass of each row's allowed tokens; exactly 0 for a row
-    whose mask allows every token (or for every row when there is no mask)."""
+    whose mask allows every token (or for every row when there is no mask), and never above 0 (float32
+    log probabilities can sum to a little over 1: a mask that leaves out only negligible tokens)."""
     if masks is None:
         return raw_rows.new_zeros(raw_rows.shape[0])
     allowed = on_device(masks, raw_rows.device)
-    mass = torch.logsumexp(raw_rows.masked_fill(~allowed, float("-inf")), dim=-1)
+    mass = torch.logsumexp(raw_rows.masked_fill(~allowed, float("-inf")), dim=-1).clamp_max(0.0)
     return torch.where(allowed.all(dim=-1), torch.zeros_like(mass), mass)
 
 
