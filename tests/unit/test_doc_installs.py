@@ -22,6 +22,8 @@ from doc_examples import ROOT, Fence, doc_files, rel, scan
 
 _PIP = re.compile(r"pip3? install\s+([^`&;|\n]*)")
 _CODE_SPAN = re.compile(r"(`+)(.+?)\1", re.DOTALL)
+_SCORE_COMMAND = re.compile(r"(^|[\s;&|(])logprobe score\b")
+DATA_EXTRA = {"pyarrow", "tqdm"}  # pyproject.toml's `data` extra: what `logprobe score` needs
 
 
 def normalize(name: str) -> str:
@@ -91,6 +93,12 @@ def missing_installs(path: Path, base: set[str], skip_first_fence: bool = False,
         first = False
         if item.lang in ("bash", "sh", "console", "shell"):
             available |= installed_by(item.body)
+            for lineno, line in enumerate(item.body.splitlines(), 1):
+                # the dataset command reads and writes its tables with pyarrow: the `data` extra
+                if _SCORE_COMMAND.search(line) and not DATA_EXTRA <= available:
+                    problems.append(f"{rel(path)}:{item.line + lineno}: runs `logprobe score`, which needs "
+                                    f"{', '.join(sorted(DATA_EXTRA - available))} (the `data` extra), which neither "
+                                    "the README's first command nor a `pip install` above it on this page installs")
         if item.lang != "python":
             continue
         for lineno, module in imported_modules(item.body):
@@ -127,6 +135,18 @@ def test_checker_on_a_small_page(tmp_path):
     assert [p.split(": ", 1)[0] for p in problems] == [f"{rel(page)}:6", f"{rel(page)}:13"], problems
     assert "imports openai (from openai), which neither" in problems[0]
     assert "nothing_installed_anywhere, which is not installed here" in problems[1]
+
+
+def test_the_dataset_command_needs_the_data_extra_installed_first(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("# Page\n\n```bash\nlogprobe score --input a.txt --output b.csv\n```\n\n"
+                    "Install the data extra (`pip install -e '.[data]'`):\n\n"
+                    "```bash\nlogprobe score --input a.txt --output b.csv\n```\n", encoding="utf-8")
+    problems = missing_installs(page, installed_by("pip install -e ."), module_map={})
+    assert [p.split(": ", 1)[0] for p in problems] == [f"{rel(page)}:4"], problems
+    assert "(the `data` extra)" in problems[0]
+    assert DATA_EXTRA == {normalize(Requirement(r).name) for r in tomllib.loads(
+        (ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["optional-dependencies"]["data"]}
 
 
 def test_install_commands_are_read():
