@@ -85,3 +85,24 @@ def test_shapes(fake_client, tokenizer):
                                               "logprob_token_ids": asked}).json()["data"][0]["logprob_token_ids"]
     assert ids["token_ids"] == asked and ids["logprobs"][0] is None and ids["ranks"][0] is None
     assert [len(x) for x in ids["logprobs"][1:]] == [0, 3] and [len(x) for x in ids["ranks"][1:]] == [0, 3]
+
+
+@pytest.mark.parametrize("reply, accepted", [
+    ("Hello", True), ("\nHello", True), (" Hello", True), ("\tHello", True), ("\r\nHello", True),
+    ("\n\nHello", False), ("  Hello", False), (" \nHello", False), ("\n Hello", False), ("  \n  Hello", False),
+    ("\n", False), (" ", False)])
+def test_which_replies_that_begin_with_whitespace_are_refused(fake_client, reply, accepted):
+    """docs/api.md 5.3, as written there: SmolLM2's template ends the assistant's opening with a newline,
+    and its tokenizer's pre-split gives a run of white space before a word as one piece less its last
+    character; a reply whose first whitespace run is one character long (or `\\r\\n`, split apart) starts a
+    token, a longer run or white space alone shares its first token with the template's newline."""
+    body = {"model": "tiny", "messages": CHAT[:1], "replies": [reply]}
+    r = fake_client.post("/v1/score", json=body)
+    if accepted:
+        assert r.status_code == 200, r.text
+        entry = r.json()["data"][0]
+        assert "".join(entry["tokens"]).startswith(reply) and entry["text_offset"][0] == 0
+    else:
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "messages"
+        assert "tokens run across the start of messages[1]'s content" in r.json()["error"]["message"]
