@@ -53,7 +53,7 @@ def refused(client, body: dict, param: str, words: str) -> None:
     ({"input": ["a", "b"], "logprob_token_ids": [[[1]]]}, "logprob_token_ids", "1 lists of positions for 2"),
     ({"messages": CHAT, "score_messages": [1, 3], "logprob_token_ids": [[1]]}, "logprob_token_ids",
      "1 lists of positions for 2"),
-    ({"input": "abc", "logprob_token_ids": [[1], [2]]}, "logprob_token_ids", "entry 0 scores"),
+    ({"input": "abc", "logprob_token_ids": [[1], [2]]}, "logprob_token_ids", "entry 0 has 1 tokens, and its list has 2"),
     ({"input": "a", "logprob_token_ids": [[49152]]}, "logprob_token_ids", "token id 49152 is outside"),
 ])
 def test_refusals(fake_client, body, param, words):
@@ -106,3 +106,27 @@ def test_which_replies_that_begin_with_whitespace_are_refused(fake_client, reply
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == "messages"
         assert "tokens run across the start of messages[1]'s content" in r.json()["error"]["message"]
+
+
+def test_per_position_ids_without_a_bos_count_the_first_token(fake_client):
+    """With `add_bos: false` the text's first token is in `tokens` (null: nothing predicts it) and not in
+    `num_tokens`: the per-position lists are one per element of `tokens`, and the refusal says both counts."""
+    text = "The quick brown fox jumps over the lazy dog, then naps."
+    plain = fake_client.post("/v1/score", json={"model": "tiny", "input": text, "add_bos": False}).json()["data"][0]
+    count = len(plain["tokens"])
+    assert plain["num_tokens"] == count - 1 and plain["token_logprobs"][0] is None
+    ids = fake_client.post("/tokenize", json={"model": "tiny", "prompt": text, "add_special_tokens": False}).json()
+    assert ids["count"] == count
+    body = {"model": "tiny", "input": text, "add_bos": False}
+    refused(fake_client, {**body, "logprob_token_ids": [[6]] * (count - 1)}, "logprob_token_ids",
+            f"entry 0 has {count} tokens (num_tokens {count - 1}, and the first token, which nothing predicts: "
+            f"its list is read nowhere), and its list has {count - 1} position lists")
+    r = fake_client.post("/v1/score", json={**body, "logprob_token_ids": [[6]] * count})
+    assert r.status_code == 200, r.text
+    entry = r.json()["data"][0]
+    assert entry["num_tokens"] == count - 1
+    asked = entry["logprob_token_ids"]
+    assert len(asked["logprobs"]) == count and asked["logprobs"][0] is None and None not in asked["logprobs"][1]
+    with_bos = fake_client.post("/v1/score", json={"model": "tiny", "input": text,
+                                                   "logprob_token_ids": [[6]] * count}).json()["data"][0]
+    assert with_bos["num_tokens"] == count == len(with_bos["logprob_token_ids"]["logprobs"])

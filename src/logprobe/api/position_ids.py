@@ -20,11 +20,15 @@ def check(backend, asked, items) -> None:
     if isinstance(asked, tuple):
         return
     for index, (entry, item) in enumerate(zip(asked, items)):
-        scored = len(item.token_ids) - item.first
-        if len(entry) != scored:
-            raise InvalidRequest(f"Invalid value for 'logprob_token_ids': entry {index} scores {scored} tokens, and "
-                                 f"its list has {len(entry)} position lists; send one list of ids per scored "
-                                 "token.", "logprob_token_ids")
+        # one list per entry of the answer's `tokens`: with a BOS that is num_tokens; without one the
+        # first token is in `tokens` (its numbers null: nothing predicts it), so one more
+        count = len(item.token_ids) - item.first
+        if len(entry) != count:
+            first = (f" (num_tokens {count - 1}, and the first token, which nothing predicts: its list is "
+                     "read nowhere)" if item.first == 0 else "")
+            raise InvalidRequest(f"Invalid value for 'logprob_token_ids': entry {index} has {count} tokens{first}, "
+                                 f"and its list has {len(entry)} position lists; send one list of ids per token "
+                                 "of the entry's 'tokens'.", "logprob_token_ids")
 
 
 def params_of(asked, items, params: SamplingParams) -> list[SamplingParams]:
