@@ -155,7 +155,7 @@ class Spec:
     required: frozenset
 
 
-REQUIRED_UNLESS = {"/v1/score": {"input"}}  # required unless an alternative is sent (`messages`)
+REQUIRED_UNLESS = {"/v1/score": {"input"}, "/tokenize": {"prompt"}}  # required unless `messages` is sent
 SPECS = {path: Spec(frozenset(model.implemented_fields()), model.neutral_values(),
                     frozenset(model.required_fields()) | REQUIRED_UNLESS.get(path, set()))
          for path, model in BODIES.items()}
@@ -564,7 +564,8 @@ WRONG_TYPES = {
         "models": "tiny", "input": 5, "context": ["x"], "add_special_tokens": "true", "return_tokens_as_token_ids": 1,
         "stream": "no", "user": 3, "align": 5,
     },
-    "/tokenize": {"model": 5, "prompt": [1, 2], "add_special_tokens": 1},
+    "/tokenize": {"model": 5, "prompt": [1, 2], "add_special_tokens": 1, "messages": "hi",
+                  "add_generation_prompt": "yes"},
     "/detokenize": {"model": {}, "tokens": "1 2"},
     "/v1/tree": {
         "model": 5, "prompt": {"text": "a"}, "messages": "hi", "depth": "2", "branches": 2.5, "branch_p": "0.9",

@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+import copy
+
+import pytest
+from fastapi.testclient import TestClient
+
+from fake_backend import FakeBackend
+from logprobe.api.app import create_app
+from logprobe.config import Limits
+
 
 def test_model_list_and_card(client, tiny_engine, tiny_model):
     data = client.get("/v1/models").json()
@@ -30,6 +39,57 @@ def test_tokenize_roundtrip(fake_client, tokenizer):
     assert back == {"prompt": "Hello world"}
     r2 = fake_client.post("/tokenize", json={"prompt": "<|im_start|>hi", "add_special_tokens": False}).json()
     assert r2["tokens"][0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
+
+
+def test_tokenize_a_conversation_as_chat_sends_it(fake_client, tokenizer):
+    """`messages` on /tokenize (as vLLM's): the chat template's rendering, as `prompt`, and the token ids
+    /v1/chat/completions sends the model (its usage counts them); without the generation prompt the
+    rendering ends with the last message; the tokenizer adds its own special tokens only when asked."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}]
+    r = fake_client.post("/tokenize", json={"model": "tiny", "messages": messages})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    want = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert got["prompt"] == want and want.endswith("<|im_start|>assistant\n")
+    assert got["tokens"] == tokenizer(want, add_special_tokens=False).input_ids and got["count"] == len(got["tokens"])
+    chat = fake_client.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 1,
+                                                          "temperature": 0}).json()
+    assert chat["usage"]["prompt_tokens"] == got["count"]
+    bare = fake_client.post("/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
+    assert bare["prompt"] == tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    assert want.startswith(bare["prompt"]) and bare["count"] < got["count"]
+    special = fake_client.post("/tokenize", json={"messages": messages, "add_special_tokens": True}).json()
+    assert special["tokens"] == tokenizer(want).input_ids
+    # the rendered text back through /tokenize as a prompt, without the tokenizer's own special tokens
+    again = fake_client.post("/tokenize", json={"prompt": got["prompt"], "add_special_tokens": False}).json()
+    assert again["tokens"] == got["tokens"] and "prompt" not in again
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({}, "prompt", "Missing required parameter: 'prompt' (or 'messages')."),
+    ({"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, "messages", "either 'prompt' or 'messages'"),
+    ({"prompt": "x", "add_generation_prompt": True}, "add_generation_prompt", "applies to 'messages'"),
+    ({"messages": []}, "messages", "messages"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages", "messages[0].role"),
+    ({"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": "yes"}, "add_generation_prompt",
+     "add_generation_prompt"),
+])
+def test_tokenize_refusals(fake_client, body, param, words):
+    r = fake_client.post("/tokenize", json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param and words in error["message"], error
+
+
+def test_tokenize_a_conversation_without_a_chat_template(tokenizer):
+    bare = copy.deepcopy(tokenizer)
+    bare.chat_template = None
+    backend = FakeBackend(bare, name="bare", aliases=(), num_layers=2, d_model=64, context_length=256)
+    with TestClient(create_app(backend, Limits()), raise_server_exceptions=False) as c:
+        r = c.post("/tokenize", json={"messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+        assert "no chat template" in r.json()["error"]["message"]
+        assert c.post("/tokenize", json={"prompt": "x"}).status_code == 200
 
 
 def test_tokenizer_errors(fake_client):

@@ -18,7 +18,7 @@ ACCEPTED = {path: (set(model.model_fields), required) for path, model, required 
     ("/v1/responses", BODIES["/v1/responses"], {"model", "input"}),
     ("/v1/score", BODIES["/v1/score"], {"model"}),  # and one of input and messages (a cross-field rule)
     ("/v1/compare", BODIES["/v1/compare"], {"models", "input"}),
-    ("/tokenize", BODIES["/tokenize"], {"prompt"}),
+    ("/tokenize", BODIES["/tokenize"], set()),  # and one of prompt and messages (a cross-field rule)
     ("/detokenize", BODIES["/detokenize"], {"tokens"}),
     ("/v1/tree", BODIES["/v1/tree"], {"model"}),
 ]}

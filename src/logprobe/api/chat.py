@@ -60,13 +60,20 @@ def parse(body: dict, limits: Limits) -> ChatRequest:
 
 def tokenize(backend, req: ChatRequest) -> list[int]:
     """The templated conversation's token ids, ending with the assistant's turn opening."""
-    tok = backend.tokenizer
+    check_text_length(backend, [m.get("content") for m in req.messages], req.prompt_param)
+    return rendered_ids(backend, req.messages, param=req.prompt_param)[1]
+
+
+def rendered_ids(backend, messages: list[dict], add_generation_prompt: bool = True, add_special_tokens: bool = False,
+                 param: str = "messages") -> tuple[str, list[int]]:
+    """(the chat template's rendering, its token ids): the template writes the special tokens, so the
+    tokenizer adds none of its own unless asked (/tokenize's `add_special_tokens`)."""
     if not backend.info.has_chat_template:
         raise InvalidRequest("This model has no chat template, so a conversation cannot become a prompt. "
                              "Use /v1/completions with your own prompt, or start the server with "
-                             "--chat-template FILE (a Jinja template).", req.prompt_param)
-    check_text_length(backend, [m.get("content") for m in req.messages], req.prompt_param)
-    return tok(render(backend, req.messages, param=req.prompt_param), add_special_tokens=False).input_ids
+                             "--chat-template FILE (a Jinja template).", param)
+    text = render(backend, messages, add_generation_prompt=add_generation_prompt, param=param)
+    return text, backend.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
 
 
 def engine_params(backend, req: ChatRequest, ids: list[int]) -> SamplingParams:

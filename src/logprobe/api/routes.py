@@ -112,13 +112,20 @@ async def get_model(request: Request, model: str):
 
 @router.post("/tokenize")
 async def tokenize(request: Request):
-    """Text -> token ids, with the model's special tokens unless `add_special_tokens` is false."""
+    """Text -> token ids, with the model's special tokens unless `add_special_tokens` is false; or a
+    conversation -> its chat template's rendering (`prompt`) and the token ids chat sends."""
     limits = request.app.state.limits
     req = TokenizeBody.parse(await read_json(request, limits), limits)
     backend = request.app.state.pipeline.resolve_model(req.model, required=False)
-    ids = await run_in_threadpool(
-        lambda: backend.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens).input_ids)
-    return json_response({"tokens": ids, "count": len(ids), "max_model_len": backend.info.context_length})
+    if req.messages is None:
+        special = req.add_special_tokens is not False
+        ids = await run_in_threadpool(lambda: backend.tokenizer(req.prompt, add_special_tokens=special).input_ids)
+        return json_response({"tokens": ids, "count": len(ids), "max_model_len": backend.info.context_length})
+    text, ids = await run_in_threadpool(lambda: chat.rendered_ids(
+        backend, req.messages, add_generation_prompt=req.add_generation_prompt is not False,
+        add_special_tokens=bool(req.add_special_tokens)))
+    return json_response({"tokens": ids, "count": len(ids), "max_model_len": backend.info.context_length,
+                          "prompt": text})
 
 
 @router.post("/detokenize")
