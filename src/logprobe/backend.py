@@ -60,6 +60,7 @@ class SamplingParams:
     max_tokens: int = 16
     min_tokens: int = 0  # no stop token or stop string ends a choice before it has this many tokens (vLLM)
     ignore_eos: bool = False  # stop tokens do not end a choice (vLLM); stop strings still do
+    skip_special_tokens: bool = True  # special tokens write no text into the generated text (vLLM)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1

@@ -57,8 +57,12 @@ class TokenTable:
 
     @classmethod
     def build(cls, tokenizer, vocab_size: int) -> "TokenTable":
-        special_ids = frozenset(int(i) for i in tokenizer.all_special_ids)
-        added = {int(i) for i in getattr(tokenizer, "added_tokens_decoder", {}) or {}}
+        added_tokens = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        added = {int(i) for i in added_tokens}
+        # the named special tokens, and every added token marked special (SmolLM2's <repo_name>, ...): what
+        # decode(skip_special_tokens=True) leaves out
+        special_ids = frozenset(int(i) for i in tokenizer.all_special_ids) | frozenset(
+            int(i) for i, t in added_tokens.items() if getattr(t, "special", False))
         pieces = tokenizer.convert_ids_to_tokens(list(range(min(vocab_size, len(tokenizer)))))
         byte_level = _is_byte_level(tokenizer)
         table = _gpt2_unicode_to_byte() if byte_level else None

@@ -123,16 +123,18 @@ def test_echo_of_token_ids_spells_special_tokens(fake_client, fake_backend):
     assert text.startswith(decoded)
 
 
-def test_echo_of_token_ids_gives_bos_no_text(fake_client, fake_backend):
-    """The contract's echo: "no BOS text", also for a token-id prompt (where it and vLLM differ)."""
+def test_echo_of_token_ids_gives_a_leading_bos_no_text(fake_client, fake_backend):
+    """The contract's echo: "no BOS text", also for a token-id prompt (where it and vLLM differ), for the
+    BOS that begins the prompt; a BOS id later in it is a token of the text and spells its text."""
     bos = fake_backend.info.bos_token_id
+    bos_text = fake_backend.tokenizer.bos_token
     eot = fake_backend.tokenizer.convert_ids_to_tokens(0)
     body = {"model": "tiny", "prompt": [bos, 0, bos, 0], "echo": True, "logprobs": 0, "max_tokens": 0}
     choice = fake_client.post("/v1/completions", json=body).json()["choices"][0]
     lp = choice["logprobs"]
-    assert choice["text"] == eot * 2
-    assert lp["tokens"] == [fake_backend.tokenizer.bos_token, eot, fake_backend.tokenizer.bos_token, eot]
-    assert lp["text_offset"] == [0, 0, len(eot), len(eot)]
+    assert choice["text"] == eot + bos_text + eot
+    assert lp["tokens"] == [bos_text, eot, bos_text, eot]
+    assert lp["text_offset"] == [0, 0, len(eot), len(eot) + len(bos_text)]
 
 
 def test_echo_of_text_prompt_is_the_text_as_sent(fake_client, fake_backend):
@@ -250,3 +252,62 @@ def test_min_tokens_and_ignore_eos_are_in_the_openapi_schema(fake_client):
     for name in ("CompletionBody", "ChatBody"):
         props = schemas[name]["properties"]
         assert props["min_tokens"]["default"] == 0 and props["ignore_eos"]["default"] is False
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_special_tokens_write_no_text_unless_asked(client, tokenizer, stream):
+    """`skip_special_tokens` (vLLM's, default true): every token the tokenizer marks special (SmolLM2's
+    `<repo_name>`, id 3, is an added token marked special, not one of its named ones) adds no text, as
+    transformers' decode(skip_special_tokens=True); false adds its text, but never that of the stop token
+    that ends the choice. The tokens and their log probabilities are the same either way. On the tiny
+    engine (`allowed_token_ids` picks the token: the fake backend draws without masks)."""
+    repo = tokenizer.convert_tokens_to_ids("<repo_name>")
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert repo not in tokenizer.all_special_ids and tokenizer.added_tokens_decoder[repo].special
+    assert tokenizer.decode([repo], skip_special_tokens=True) == ""
+
+    def text_of(**fields):
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 3, "temperature": 0, "logprobs": 1, **fields}
+        if not stream:
+            choice = client.post("/v1/completions", json=body).json()["choices"][0]
+            return choice["text"], choice["logprobs"]["tokens"], choice["finish_reason"]
+        text, tokens, finish = "", [], None
+        with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    choice = json.loads(line[6:])["choices"][0]
+                    text += choice["text"]
+                    tokens += (choice.get("logprobs") or {}).get("tokens", [])
+                    finish = choice.get("finish_reason") or finish
+        return text, tokens, finish
+
+    assert text_of(allowed_token_ids=[repo]) == ("", ["<repo_name>"] * 3, "length")
+    assert text_of(allowed_token_ids=[repo], skip_special_tokens=None) == ("", ["<repo_name>"] * 3, "length")
+    assert text_of(allowed_token_ids=[repo], skip_special_tokens=False) == ("<repo_name>" * 3, ["<repo_name>"] * 3,
+                                                                            "length")
+    # the stop token that ends the choice: no text either way; run past it (ignore_eos), it is a token of the text
+    assert text_of(allowed_token_ids=[end], skip_special_tokens=False) == ("", ["<|im_end|>"], "stop")
+    assert text_of(allowed_token_ids=[end], skip_special_tokens=False, ignore_eos=True) == (
+        "<|im_end|>" * 3, ["<|im_end|>"] * 3, "length")
+    assert text_of(allowed_token_ids=[end], ignore_eos=True) == ("", ["<|im_end|>"] * 3, "length")
+    chat = client.post("/v1/chat/completions", json={
+        "model": "tiny", "messages": MESSAGES, "max_tokens": 2, "temperature": 0, "allowed_token_ids": [repo],
+        "skip_special_tokens": False}).json()
+    assert chat["choices"][0]["message"]["content"] == "<repo_name>" * 2
+
+
+def test_a_token_id_prompt_echoes_every_bos_after_the_first(fake_client, tokenizer):
+    """SmolLM2's GGUF declares `<|im_start|>` (every chat turn's opening) its BOS: a rendered conversation
+    sent as token ids echoes each turn's `<|im_start|>` but the leading one (the contract: no BOS text),
+    and the echoed tokens, joined, are the echoed text."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}],
+                                         tokenize=False)
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    bos = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert ids[0] == bos and ids.count(bos) >= 2  # the template's default system turn, the user's, the reply's
+    choice = fake_client.post("/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": 0, "echo": True,
+                                                       "logprobs": 0}).json()["choices"][0]
+    assert choice["text"] == text[len("<|im_start|>"):]
+    tokens, offsets = choice["logprobs"]["tokens"], choice["logprobs"]["text_offset"]
+    assert "".join(tokens[1:]) == choice["text"] and offsets[0] == offsets[1] == 0
+    assert all(choice["text"][o:].startswith(t) for o, t in zip(offsets[1:], tokens[1:]))

@@ -100,16 +100,18 @@ def check_caps(backend, req: CompletionRequest, prompts: list[Prompt], limits: L
 
 def echo_of(backend, prompt: Prompt, added_special: bool) -> tuple[str, list[int]]:
     """The echoed prompt text and each prompt token's offset in it. Special tokens spell their own text
-    (`<|endoftext|>`), so the echoed tokens spell the echoed text, as in vLLM, except BOS, which has no
-    text (the contract: "no BOS text"): on a token-id prompt every BOS token, on a text prompt the BOS the
-    tokenizer added in front (a text prompt is echoed as sent, so a special token written in the text
-    keeps its text, and `text[len(prompt):]` is the generated text)."""
+    (`<|endoftext|>`), so the echoed tokens spell the echoed text, as in vLLM, except a leading BOS, which
+    has no text (the contract: "no BOS text"): the first token of a token-id prompt when it is the BOS,
+    on a text prompt the BOS the tokenizer added in front (a text prompt is echoed as sent, so a special
+    token written in the text keeps its text, and `text[len(prompt):]` is the generated text). A BOS id
+    later in a token-id prompt is a token of the text (SmolLM2's GGUF declares `<|im_start|>`, which
+    opens every chat turn, its BOS) and spells its text."""
     ids = prompt.token_ids
     bos = backend.info.bos_token_id
     added_bos = prompt.text is not None and added_special and backend.info.adds_bos and ids and ids[0] == bos
     asm = TextAssembler(backend.table)
     for i, t in enumerate(ids):
-        silent = t == bos and (prompt.text is None or (added_bos and i == 0))
+        silent = i == 0 and t == bos and (prompt.text is None or added_bos)
         asm.add(t, special_text=not silent)
     asm.finish()
     text = prompt.text if prompt.text is not None else asm.text

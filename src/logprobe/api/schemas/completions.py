@@ -14,7 +14,7 @@ from ..errors import InvalidRequest
 from .base import DEFAULT_LIMITS as _L, Cap, Neutral, RequestModel, Unbounded, check, parses
 from .constraints import ConstraintFields, ResponseFormatField, StructuredOutputsField
 from .sampling import (N, AllowedTokenIds, BadWords, IgnoreEos, Interventions, Lens, LogitBias, LogprobsMode,
-    LogprobTokenIds, MinTokens, PositionStats, PromptLogprobs, ResidualStream, ReturnUnmodified, SamplingFields, Seed, Stop, Stream,
+    LogprobTokenIds, MinTokens, PositionStats, PromptLogprobs, ResidualStream, ReturnUnmodified, SamplingFields, Seed, SkipSpecialTokens, Stop, Stream,
     StreamOptionsField, Temperature, TokensAsIds, TopK, TopLogprobsP, TopP, User, VocabEncoding)
 
 Prompt = Union[str, list[str], list[int], list[list[int]]]
@@ -105,6 +105,7 @@ class CompletionBody(SamplingFields, ConstraintFields):
     bad_words: BadWords
     min_tokens: MinTokens
     ignore_eos: IgnoreEos
+    skip_special_tokens: SkipSpecialTokens
     response_format: ResponseFormatField  # an extension here: OpenAI's completions have no response_format
     structured_outputs: StructuredOutputsField
 
@@ -189,6 +190,7 @@ class ChatBody(SamplingFields, ConstraintFields):
     bad_words: BadWords
     min_tokens: MinTokens
     ignore_eos: IgnoreEos
+    skip_special_tokens: SkipSpecialTokens
     structured_outputs: StructuredOutputsField
 
     @parses("messages")

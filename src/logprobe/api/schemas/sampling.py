@@ -149,6 +149,12 @@ IgnoreEos = Annotated[bool | None, Field(False, description=(
     "vLLM extension: generation goes on past the end-of-sequence tokens until max_tokens (stop strings still "
     "apply)."))]
 
+SkipSpecialTokens = Annotated[bool | None, Field(True, description=(
+    "vLLM's: the special tokens (those the tokenizer marks special: the end of turn, SmolLM2's `<repo_name>`, ...) "
+    "write no text into the generated text, as transformers' decode(skip_special_tokens=True); false writes "
+    "theirs too. The stop token that ends a choice never writes its text. `tokens` and the log probabilities "
+    "are the same either way."))]
+
 STREAMED_INSTRUMENTS = ("logprob_token_ids", "position_stats", "top_logprobs_p")
 
 
@@ -408,6 +414,8 @@ class SamplingFields(RequestModel):
             out["min_tokens"] = self.min_tokens
         if self.ignore_eos:
             out["ignore_eos"] = True
+        if getattr(self, "skip_special_tokens", None) is False:  # completions and chat
+            out["skip_special_tokens"] = False
         if getattr(self, "constraint", None) is not None:  # bodies with ConstraintFields (constraints.py)
             out["constraint"] = self.constraint
         return out

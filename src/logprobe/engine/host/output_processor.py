@@ -71,9 +71,12 @@ class OutputProcessor:
         params = group.params
         token = seq.token_ids[-1]
         before = seq.text.length
-        seq.text.add(token)
         may_stop = len(seq.token_ids) > params.min_tokens
-        if token in params.stop_token_ids and not params.ignore_eos and may_stop:
+        ends = token in params.stop_token_ids and not params.ignore_eos and may_stop
+        # a special token writes its text only with skip_special_tokens false, and the stop token that
+        # ends the choice never does (vLLM's detokenizer drops it)
+        seq.text.add(token, special_text=not params.skip_special_tokens and not ends)
+        if ends:
             seq.finish_reason = FinishReason.STOP
         elif params.stop and may_stop and cut_at_stop(seq, params.stop, before):
             seq.finish_reason = FinishReason.STOP
