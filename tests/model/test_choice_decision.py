@@ -203,3 +203,81 @@ def test_max_tokens_cuts_the_answer_short(client, reference, tiny_engine):
     assert choice["text"] == "Answer:" + tiny_engine.tokenizer.decode(answer_ids(tiny_engine, best)[:1])
     assert [tid(t) for t in choice["logprobs"]["tokens"]] == prompt_ids + answer_ids(tiny_engine, best)[:1]
     check_block(tiny_engine, choice["choice_logprobs"], expected, choices)
+
+
+def test_a_choice_list_is_capped_as_score_inputs_are(client):
+    """Each answer is scored after each prompt, as /v1/score scores its inputs: at most max_prompts (256)
+    scored texts in one request, a 400 naming the cap before any work."""
+    many = [f" {i}" for i in range(257)]
+    out = post(client, status=400, prompt="Pick a number:", max_tokens=2, structured_outputs={"choice": many})
+    assert out["error"]["param"] == "structured_outputs.choice"
+    assert "max_prompts" in out["error"]["message"] and "257 answers" in out["error"]["message"]
+    out = post(client, status=400, prompt=["a", "b"], max_tokens=2, structured_outputs={"choice": many[:129]})
+    assert "129 answers x 2 prompts = 258" in out["error"]["message"]
+    out = post(client, status=400, path="/v1/chat/completions", messages=[{"role": "user", "content": "Pick."}],
+               max_tokens=2, structured_outputs={"choice": many})
+    assert out["error"]["param"] == "structured_outputs.choice"
+    assert post(client, prompt="Pick a number:", max_tokens=2, temperature=0,
+                structured_outputs={"choice": many[:256]})["choices"][0]["text"] in many
+
+
+def test_usage_counts_the_scoring_of_the_answers(client, tiny_engine, caplog):
+    """The answers' scoring passes are charged as /v1/score charges its inputs (each answer with the
+    prompt in full) and usage reports them in prompt_tokens: the response, the streamed usage, chat, and
+    the access log (which the key's budget is charged from) agree."""
+    import logging
+
+    prompt = "Is the sky blue? Answer:"
+    prompt_ids = tiny_engine.tokenizer(prompt).input_ids
+    scored = sum(len(prompt_ids) + len(answer_ids(tiny_engine, c)) for c in CHOICES)
+    with caplog.at_level(logging.INFO, logger="logprobe.access"):
+        out = post(client, prompt=prompt, max_tokens=4, temperature=0, structured_outputs={"choice": CHOICES})
+    usage = out["usage"]
+    assert usage["prompt_tokens"] == len(prompt_ids) + scored
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"] > usage["prompt_tokens"]
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "logprobe.access"]
+    assert [(x["prompt_tokens"], x["completion_tokens"]) for x in lines if x["path"] == "/v1/completions"] == [
+        (usage["prompt_tokens"], usage["completion_tokens"])]
+    streamed = client.post("/v1/completions", json={"model": MODEL, "prompt": [prompt, prompt], "max_tokens": 4,
+                                                    "temperature": 0, "stream": True,
+                                                    "stream_options": {"include_usage": True},
+                                                    "structured_outputs": {"choice": CHOICES}})
+    chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert chunks[-1]["usage"]["prompt_tokens"] == 2 * (len(prompt_ids) + scored)
+    messages = [{"role": "user", "content": "Is the sky blue?"}]
+    rendered = client.post("/tokenize", json={"messages": messages}).json()["count"]
+    chat = post(client, "/v1/chat/completions", messages=messages, max_tokens=4, temperature=0,
+                structured_outputs={"choice": CHOICES})
+    assert chat["usage"]["prompt_tokens"] == rendered + sum(rendered + len(answer_ids(tiny_engine, c))
+                                                            for c in CHOICES)
+    plain = post(client, prompt=prompt, max_tokens=4, temperature=0)
+    assert plain["usage"]["prompt_tokens"] == len(prompt_ids)  # without a choice list: the prompt alone
+
+
+def test_the_answers_reach_the_engine_as_score_inputs_do(client, tiny_engine, monkeypatch):
+    """A large choice list shares the engine as /v1/score does: its answers are handed to the engine as
+    prompt-only requests of the same number, length and priority as the same answers sent to /v1/score
+    (inputs after the prompt as context), so the scheduler serves a request sent beside it as it would
+    beside that /v1/score, and no differently (the cap above bounds both alike)."""
+    runs = []
+    real = tiny_engine.run
+
+    async def recording(requests):
+        runs.append([(len(r.prompt_ids), r.params.max_tokens, r.params.n, r.priority) for r in requests])
+        return await real(requests)
+
+    monkeypatch.setattr(tiny_engine, "run", recording)
+    answers = [f" {i}" for i in range(200)]
+    prompt = "Pick a number:"
+    post(client, prompt=prompt, max_tokens=3, temperature=0, structured_outputs={"choice": answers})
+    scoring = runs[0]
+    runs.clear()
+    post(client, "/v1/score", input=answers, context=prompt, add_bos=False)
+    (score,) = runs
+    assert len(scoring) == len(score) == 200
+    assert all(m == 0 and n == 1 for _, m, n, _ in scoring + score)
+    assert {p for *_, p in scoring} == {p for *_, p in score}
+    prompt_len = len(tiny_engine.tokenizer(prompt).input_ids)
+    assert sorted(t for t, *_ in scoring) == sorted(prompt_len + len(answer_ids(tiny_engine, a)) for a in answers)
+    # /v1/score tokenizes the context and each input apart, as the choice list does its prompt and answers
+    assert sorted(t for t, *_ in scoring) == sorted(t for t, *_ in score)

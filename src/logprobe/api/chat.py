@@ -189,10 +189,12 @@ def format_response(backend, req: ChatRequest, ids: list[int], requests: list[Ge
         if answers is not None:
             choice["choice_logprobs"] = answers
         choices.append(choice)
+    # a choice list's scoring passes count as prompt tokens: the key's budget was charged them
+    prompt_tokens = out.num_prompt_tokens + choice_decision.scored_tokens(requests)
     body = {"id": "chatcmpl-" + secrets.token_hex(8), "object": "chat.completion", "created": int(time.time()),
            "model": backend.info.name, "choices": choices,
-           "usage": {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": completion_tokens,
-                     "total_tokens": out.num_prompt_tokens + completion_tokens}}
+           "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                     "total_tokens": prompt_tokens + completion_tokens}}
     # Always present, null unless asked (the contract; vLLM's clients read it unconditionally)
     body["prompt_logprobs"] = None
     if params.prompt_logprobs is not None:
@@ -241,7 +243,8 @@ def stream_formatters(backend, req: ChatRequest, ids: list[int], requests: list[
     def final_chunks(end) -> list[bytes]:
         if not req.include_usage:
             return []
-        prompt, completion = end.num_prompt_tokens[0], end.num_generated[0]
+        prompt = end.num_prompt_tokens[0] + choice_decision.scored_tokens(requests)
+        completion = end.num_generated[0]
         return [sse({**head, "choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
                                                       "total_tokens": prompt + completion}})]
 

@@ -21,6 +21,7 @@ from dataclasses import replace
 import numpy as np
 
 from ..backend import GenerationRequest, SamplingParams
+from ..config import Limits
 from ..engine.host.forced import ChoiceDecision
 from ..engine.host.random_streams import Stream
 from .errors import ContextLengthExceeded, InvalidRequest
@@ -52,14 +53,34 @@ def check_context(backend, requests: list[GenerationRequest], answer_ids: list[l
                 "the choices.", PARAM)
 
 
-async def decided(run, backend, requests: list[GenerationRequest]) -> list[GenerationRequest]:
+def check_count(num_prompts: int, num_answers: int, limits: Limits) -> None:
+    """Every answer is scored after every prompt, as /v1/score scores its inputs: at most max_prompts
+    scored texts in one request, as there."""
+    if num_prompts * num_answers > limits.max_prompts:
+        per = f" x {num_prompts} prompts = {num_prompts * num_answers}" if num_prompts > 1 else ""
+        raise InvalidRequest(f"Too many choices: each answer of '{PARAM}' is scored whole after each prompt, as "
+                             f"/v1/score scores its inputs, and this server scores at most {limits.max_prompts} "
+                             f"texts in one request (max_prompts); this one has {num_answers} answers{per}. "
+                             "Send fewer choices (or prompts).", PARAM)
+
+
+def scored_tokens(requests: list[GenerationRequest]) -> int:
+    """The tokens the requests' choice lists were scored with (0 without one): what usage adds to the
+    prompt tokens, as the key's budget was charged them."""
+    return sum(ChoiceDecision.of(r.params.constraint).scored_tokens for r in requests
+               if r.params.constraint is not None and r.params.constraint.kind == "chosen")
+
+
+async def decided(run, backend, requests: list[GenerationRequest], limits: Limits) -> list[GenerationRequest]:
     """`requests` with every choice list decided: the answers scored after each prompt (one job, given
-    to `run`: a list of (backend, requests) jobs -> their outputs, run under a hold by the pipeline),
-    each sequence's answer drawn, and the constraint replaced by the decision (kind "chosen"). Requests
-    without a choice list are returned as they are."""
+    to `run`: a list of (backend, requests) jobs -> their outputs, run under a hold by the pipeline:
+    the scoring's tokens are held and charged to the key as /v1/score's would be), each sequence's
+    answer drawn, and the constraint replaced by the decision (kind "chosen"). Requests without a
+    choice list are returned as they are."""
     if not requests or requests[0].tree is not None or not is_choice(requests[0].params):
         return requests
     texts, answer_ids = answers_of(backend, requests[0].params)
+    check_count(len(requests), len(texts), limits)
     check_context(backend, requests, answer_ids)
     drawable = np.array([is_drawable(requests[0].params, ids) for ids in answer_ids])
     if not drawable.any():
@@ -76,7 +97,8 @@ async def decided(run, backend, requests: list[GenerationRequest]) -> list[Gener
         logprobs = [float(np.sum(o.prompt_columns.logprobs[first:], dtype=np.float64))
                     for o in outputs[i * len(texts):(i + 1) * len(texts)]]
         picks = tuple(draw(np.where(drawable, logprobs, -np.inf), r.params, j) for j in range(r.params.n))
-        decision = ChoiceDecision(tuple(texts), tuple(map(tuple, answer_ids)), tuple(logprobs), picks)
+        scored = sum(len(r.prompt_ids) + len(ids) for ids in answer_ids)
+        decision = ChoiceDecision(tuple(texts), tuple(map(tuple, answer_ids)), tuple(logprobs), picks, scored)
         out.append(replace(r, params=replace(r.params, constraint=decision.constraint())))
     return out
 

@@ -172,7 +172,8 @@ def format_response(backend, req: CompletionRequest, prompts: list[Prompt], requ
             if answers is not None:
                 choice["choice_logprobs"] = answers
             choices.append(choice)
-    prompt_tokens = sum(r.num_prompt_tokens for r in requests)
+    # a choice list's scoring passes count as prompt tokens: the key's budget was charged them
+    prompt_tokens = sum(r.num_prompt_tokens for r in requests) + choice_decision.scored_tokens(requests)
     return {
         "id": "cmpl-" + secrets.token_hex(8),
         "object": "text_completion",
@@ -257,7 +258,7 @@ def stream_formatters(backend, req: CompletionRequest, prompts: list[Prompt], re
     def final_chunks(end) -> list[bytes]:
         if not req.include_usage:
             return []
-        prompt_tokens = sum(end.num_prompt_tokens)
+        prompt_tokens = sum(end.num_prompt_tokens) + choice_decision.scored_tokens(requests)
         completion_tokens = sum(end.num_generated)
         return [sse({**head, "choices": [], "usage": {
             "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,

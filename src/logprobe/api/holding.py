@@ -144,7 +144,8 @@ def release(admission, call: Call, hold, requests: list[GenerationRequest], comp
     usage for the access log and the metrics. The key's budget is charged the prompt tokens (x n) and
     the tokens generated, except for a request the backend lost (its replica died): only what it sent."""
     prompt = sum(r.num_prompt_tokens for r in requests)
-    call.notes["usage"] = (prompt, completion)
+    before = call.notes.get("usage", (0, 0))  # a choice list's scoring ran first, under a hold of its own
+    call.notes["usage"] = (before[0] + prompt, before[1] + completion)
     used = completion if lost else sum(r.num_prompt_tokens * r.params.n for r in requests) + completion
     admission.release(hold, used=used)
 

@@ -183,7 +183,7 @@ class Pipeline:
         async def run(jobs):
             return (await self._run_jobs(jobs, call))[1]
 
-        requests = await choice_decision.decided(run, checked.target, checked.requests)
+        requests = await choice_decision.decided(run, checked.target, checked.requests, self.limits)
         return checked if requests is checked.requests else replace(checked, requests=requests)
 
     async def _format(self, checked: Checked, outputs: list, hold) -> Answer:

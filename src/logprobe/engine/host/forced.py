@@ -31,17 +31,18 @@ class ChoiceDecision:
     token_ids: tuple[tuple[int, ...], ...]  # each answer's tokens, as read after the prompt
     logprobs: tuple[float, ...]  # each answer's log probability: its tokens' summed
     picks: tuple[int, ...]  # per sequence index: the index of the answer it spells
+    scored_tokens: int = 0  # the tokens of the scoring passes that decided it: (prompt + answer) per answer
 
     def constraint(self) -> Constraint:
         return Constraint("chosen", json.dumps({"texts": self.texts, "token_ids": self.token_ids,
-                                                "logprobs": self.logprobs, "picks": self.picks},
-                                               ensure_ascii=False))
+                                                "logprobs": self.logprobs, "picks": self.picks,
+                                                "scored_tokens": self.scored_tokens}, ensure_ascii=False))
 
     @classmethod
     def of(cls, constraint: Constraint) -> ChoiceDecision:
         data = json.loads(constraint.source)
         return cls(tuple(data["texts"]), tuple(tuple(ids) for ids in data["token_ids"]), tuple(data["logprobs"]),
-                   tuple(data["picks"]))
+                   tuple(data["picks"]), int(data.get("scored_tokens", 0)))
 
 
 def sequence_constraint(constraint: Constraint, index: int) -> Constraint:
