@@ -559,6 +559,7 @@ WRONG_TYPES = {
         "output_residual_stream": True, "return_tokens_as_token_ids": 0, "user": {"id": 1},
         "response_format": 1, "structured_outputs": [], "messages": {"role": "user", "content": "hi"},
         "score_messages": "1", "replies": "yes", "include_end_of_turn": "no", "logprob_token_ids": "330",
+        "conversations": {"role": "user"},
     },
     "/v1/compare": {
         "models": "tiny", "input": 5, "context": ["x"], "add_special_tokens": "true", "return_tokens_as_token_ids": 1,

@@ -130,3 +130,42 @@ def test_per_position_ids_without_a_bos_count_the_first_token(fake_client):
     with_bos = fake_client.post("/v1/score", json={"model": "tiny", "input": text,
                                                    "logprob_token_ids": [[6]] * count}).json()["data"][0]
     assert with_bos["num_tokens"] == count == len(with_bos["logprob_token_ids"]["logprobs"])
+
+
+def test_several_conversations_in_one_request(fake_client):
+    """`conversations`: each conversation scored on its last assistant turn, one entry each, in order, as
+    the same conversation sent alone in `messages` (what `logprobe score --messages-column --url` sends,
+    --batch-rows conversations a request); per-position ids one list per entry."""
+    other = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 2?"},
+             {"role": "assistant", "content": "4"}]
+    body = {"model": "tiny", "conversations": [CHAT, other, CHAT[:2]], "top_logprobs": 2}
+    r = fake_client.post("/v1/score", json=body)
+    assert r.status_code == 200, r.text
+    got = r.json()
+    alone = [fake_client.post("/v1/score", json={"model": "tiny", "messages": c, "top_logprobs": 2}).json()
+             for c in body["conversations"]]
+    assert len(got["data"]) == 3
+    for k, (entry, one) in enumerate(zip(got["data"], alone)):
+        assert entry["index"] == k
+        assert {**entry, "index": 0} == one["data"][0]
+    assert [e["message_index"] for e in got["data"]] == [3, 2, 1]
+    assert got["usage"]["prompt_tokens"] == sum(one["usage"]["prompt_tokens"] for one in alone)
+    asked = [[[6]] * e["num_tokens"] for e in got["data"]]
+    r = fake_client.post("/v1/score", json={**body, "logprob_token_ids": asked})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"conversations": []}, "conversations", "non-empty array of conversations"),
+    ({"conversations": CHAT}, "conversations", "conversations[0]"),
+    ({"conversations": [CHAT, [{"role": "robot", "content": "x"}]]}, "conversations", "conversations[1][0].role"),
+    ({"conversations": [CHAT, CHAT[:1]]}, "conversations", "'conversations[1]' has no assistant message"),
+    ({"conversations": [CHAT] * 257}, "conversations", "at most 256"),
+    ({"conversations": [CHAT], "messages": CHAT}, "messages", "'messages' and 'conversations' cannot be combined"),
+    ({"conversations": [CHAT], "input": "a"}, "input", "cannot be combined"),
+    ({"conversations": [CHAT], "replies": ["x"]}, "replies", "cannot be combined"),
+    ({"conversations": [CHAT], "score_messages": [1]}, "score_messages", "cannot be combined"),
+    ({"conversations": [CHAT, CHAT], "logprob_token_ids": [[[1]]]}, "logprob_token_ids", "1 lists of positions for 2"),
+])
+def test_several_conversations_refusals(fake_client, body, param, words):
+    refused(fake_client, body, param, words)

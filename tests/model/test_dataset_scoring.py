@@ -418,6 +418,44 @@ def test_conversations_and_ids_per_position(fmt, tiny_engine, tiny_server, clien
             assert [len(r) for r in row["asked_ranks"]] == [len(ids) for ids in record["ids"]]
 
 
+def test_conversation_rows_go_batch_rows_a_request(client, tiny_engine):
+    """Over --url, conversation rows go `batch_rows` to a request, in /v1/score's `conversations`, with the
+    numbers of each conversation sent alone; with --skip-invalid a batch the server refuses (one reply
+    whose first characters share a token with the template's) is sent again a row at a time, and only
+    that row gets the error."""
+    import httpx
+
+    bodies = []
+
+    def handler(request):
+        body = json.loads(request.content)
+        bodies.append(body)
+        r = client.post(request.url.path, json=body)
+        return httpx.Response(r.status_code, content=r.content, headers={"content-type": "application/json"})
+
+    bad = CONVERSATIONS[0][:1] + [{"role": "assistant", "content": "\n\nIn the sea."}]
+    talks = CONVERSATIONS + [bad] + CONVERSATIONS
+    rows = [Row(i, f"c{i}", talk[-1]["content"], messages=talk) for i, talk in enumerate(talks)]
+    options = ScoreOptions(tokens=True, skip_invalid=True)
+    scorer = RemoteScorer(["http://a"], model="tiny", options=options, batch_rows=2, concurrency=1,
+                          transport=httpx.MockTransport(handler))
+    table = scorer.score(rows).to_pylist()
+    # [c0, c1] and [bad, c3] in `conversations`; the second refused, then bad and c3 alone; c4 alone (the rest)
+    assert [b.get("conversations") or b["messages"] for b in bodies] == [talks[:2], talks[2:4], talks[2], talks[3],
+                                                                         talks[4]]
+    assert [r["error"] is None for r in table] == [True, True, False, True, True]
+    assert "tokens run across the start" in table[2]["error"]
+    for row, talk in zip(table, talks):
+        if talk is bad:
+            continue
+        alone = client.post("/v1/score", json={"model": "tiny", "messages": talk}).json()["data"][0]
+        assert row["token_ids"] == alone["token_ids"]
+        np.testing.assert_allclose(row["token_logprobs"], alone["token_logprobs"], atol=TOL)
+    bodies.clear()  # without the refused row: 4 conversations in 2 requests
+    scorer.score(rows[:2] + rows[3:])
+    assert [len(b["conversations"]) for b in bodies] == [2, 2]
+
+
 def test_conversation_rows_refused(tmp_path, tiny_engine):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps({"chat": [{"role": "user", "content": "hi"}]}) + "\n"

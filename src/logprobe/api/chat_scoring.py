@@ -24,25 +24,29 @@ from .errors import InvalidRequest
 
 def conversations(req) -> list[tuple[list[dict], int]]:
     """(the conversation rendered, the index of the turn scored in it) for each entry."""
+    if req.conversations is not None:
+        return list(zip(req.conversations, req.scored_turns))
     if req.replies is not None:
         return [(req.messages + [{"role": "assistant", "content": r}], len(req.messages)) for r in req.replies]
     return [(req.messages, i) for i in req.scored_turns]
 
 
 class Rendered:
-    """One conversation rendered and tokenized, with each token's character offset in the rendering."""
+    """One conversation rendered and tokenized, with each token's character offset in the rendering;
+    refusals name the conversation as `name` (`messages`, or `conversations[2]`) with `param`."""
 
-    def __init__(self, backend, messages: list[dict]):
-        self.text = render(backend, messages, False)
+    def __init__(self, backend, messages: list[dict], name: str = "messages", param: str = "messages"):
+        self.name, self.param = name, param
+        self.text = render(backend, messages, False, param=param)
         self.ids = backend.tokenizer(self.text, add_special_tokens=False).input_ids
         asm = TextAssembler(backend.table)
         for t in self.ids:
             asm.add(t, special_text=True)
         asm.finish()
         if asm.text != self.text:
-            raise InvalidRequest("The model's tokens do not spell the rendered conversation again, so the reply's "
-                                 "tokens cannot be located; score the rendered text with 'input' instead.",
-                                 "messages")
+            raise InvalidRequest(f"The model's tokens do not spell the rendered conversation ({name}) again, so the "
+                                 "reply's tokens cannot be located; score the rendered text with 'input' instead.",
+                                 param)
         self.start_of = {offset: i for i, offset in reversed(list(enumerate(asm.offsets)))}  # first token there
 
     def token_at(self, offset: int, what: str, index: int) -> int:
@@ -50,10 +54,10 @@ class Rendered:
         if offset == len(self.text):
             return len(self.ids)
         if offset not in self.start_of:
-            raise InvalidRequest(f"The chat template's tokens run across the {what} of messages[{index}]'s "
+            raise InvalidRequest(f"The chat template's tokens run across the {what} of {self.name}[{index}]'s "
                                  "content (a token holds text on both sides), so its tokens cannot be scored "
                                  "alone; change the content's first or last characters, or score the rendered "
-                                 "text with 'input'.", "messages")
+                                 "text with 'input'.", self.param)
         return self.start_of[offset]
 
 
@@ -62,29 +66,34 @@ def tokenize(backend, req) -> list:
     where the turn's tokens begin."""
     from .scoring import ScoreItem
 
+    several = req.conversations is not None
+    param = "conversations" if several else "messages"
     if not backend.info.has_chat_template:
-        raise InvalidRequest("This model has no chat template, so /v1/score cannot render 'messages'. Score the "
+        raise InvalidRequest(f"This model has no chat template, so /v1/score cannot render '{param}'. Score the "
                              "text with 'input', or start the server with --chat-template FILE (a Jinja "
-                             "template).", "messages")
-    check_text_length(backend, [m["content"] for m in req.messages] + list(req.replies or []), "messages")
+                             "template).", param)
+    if several:
+        check_text_length(backend, [m["content"] for c in req.conversations for m in c], param)
+    else:
+        check_text_length(backend, [m["content"] for m in req.messages] + list(req.replies or []), param)
     items, renderings = [], {}
-    for messages, index in conversations(req):
+    for k, (messages, index) in enumerate(conversations(req)):
+        name = f"conversations[{k}]" if several else "messages"
         key = id(messages)
         if key not in renderings:
-            renderings[key] = Rendered(backend, messages)
+            renderings[key] = Rendered(backend, messages, name, param)
         full = renderings[key]
-        before = render(backend, messages[:index], True)
+        before = render(backend, messages[:index], True, param=param)
         content = messages[index]["content"]
         if not full.text.startswith(before) or full.text.find(content, len(before)) != len(before):
-            raise InvalidRequest(f"The model's chat template does not render messages[{index}] as a reply after "
+            raise InvalidRequest(f"The model's chat template does not render {name}[{index}] as a reply after "
                                  "the conversation before it (as /v1/chat/completions would prompt for it), so "
-                                 "its tokens cannot be located.", "messages")
+                                 "its tokens cannot be located.", param)
         first = full.token_at(len(before), "start", index)
         stop = full.token_at(len(before) + len(content), "end", index)
         if req.include_end_of_turn and stop < len(full.ids) and full.ids[stop] in backend.info.stop_token_ids:
             stop += 1
         if stop == first:
-            raise InvalidRequest(f"Invalid value for 'messages': messages[{index}] has no tokens to score.",
-                                 "messages")
+            raise InvalidRequest(f"Invalid value for '{param}': {name}[{index}] has no tokens to score.", param)
         items.append(ScoreItem(list(full.ids[:stop]), first, content, message_index=index))
     return items

@@ -44,6 +44,7 @@ class ScoreRequest:
     include_end_of_turn: bool = True
     # asked ids (position_ids.py): one tuple for every scored position, or per entry one tuple per position
     logprob_token_ids: tuple | list = ()
+    conversations: list[list[dict]] | None = None  # several conversations, scored_turns: one turn each
 
 
 @dataclass
@@ -60,12 +61,14 @@ def parse(body: dict, limits: Limits) -> ScoreRequest:
     return ScoreRequest(req.model, req.input or [], req.contexts, req.add_bos, req.top_logprobs,
                         req.return_tokens_as_token_ids, req.output_residual_stream, req.constraint,
                         req.constraint_param, bool(req.position_stats), req.messages,
-                        score_fields.scored_turns(req) if req.messages is not None else [], req.replies,
-                        req.include_end_of_turn is not False, req.logprob_token_ids)
+                        score_fields.scored_turns(req) if req.messages is not None or req.conversations is not None
+                        else [], req.replies, req.include_end_of_turn is not False, req.logprob_token_ids,
+                        req.conversations)
 
 
 def tokenize(backend, req: ScoreRequest) -> list[ScoreItem]:
-    items = chat_scoring.tokenize(backend, req) if req.messages is not None else _tokenize_inputs(backend, req)
+    chat = req.messages is not None or req.conversations is not None
+    items = chat_scoring.tokenize(backend, req) if chat else _tokenize_inputs(backend, req)
     position_ids.check(backend, req.logprob_token_ids, items)
     return items
 

@@ -69,7 +69,8 @@ class RemoteScorer:
         rows = [p.row for p in prepared]
         todo = sorted((r for r in rows if r.text and r.messages is None), key=lambda r: (r.context or "", len(r.text)))
         batches = [todo[i:i + self.batch_rows] for i in range(0, len(todo), self.batch_rows)]
-        batches += [[r] for r in rows if r.messages is not None]  # a conversation a request
+        talks = [r for r in rows if r.messages is not None]  # batch_rows conversations a request (`conversations`)
+        batches += [talks[i:i + self.batch_rows] for i in range(0, len(talks), self.batch_rows)]
         gate = asyncio.Semaphore(self.concurrency)
         async with ScoreClient(self.urls, self.api_key, self._served, self.max_attempts,
                                transport=self._transport) as client:
@@ -108,14 +109,19 @@ class RemoteScorer:
             body["position_stats"] = True
         if self.options.asked:
             body["logprob_token_ids"] = [r.asked_ids for r in batch]
-        if batch[0].messages is not None:
+        if batch[0].messages is not None:  # one conversation in `messages`, several in `conversations`
             del body["input"]
-            body["messages"] = batch[0].messages
+            if len(batch) == 1:
+                body["messages"] = batch[0].messages
+            else:
+                body["conversations"] = [r.messages for r in batch]
         try:
             data = (await client.score(body))["data"]
         except ServerError as exc:
             # a row's own fault (its length; a conversation's or its ids' shape) is its error, with --skip-invalid
-            own = exc.code == "context_length_exceeded" or (len(batch) == 1 and exc.status == 400)
+            # (a batch of conversations refused: one of them, each its own template's rendering)
+            own = exc.code == "context_length_exceeded" or (exc.status == 400 and (
+                len(batch) == 1 or batch[0].messages is not None))
             if not (self.options.skip_invalid and own):
                 raise
             if len(batch) == 1:

@@ -131,6 +131,38 @@ class Message(RequestModel):
     name: str | None = None
 
 
+def message_list(value, name: str = "messages", param: str = "messages") -> list[dict]:
+    """A conversation's messages as {"role", "content"}, text parts joined; refusals name `name` (the
+    field, or `conversations[2]`) and carry `param`."""
+    if value is None:
+        raise InvalidRequest(f"Missing required parameter: '{name}'.", param)
+    if not isinstance(value, list) or not value:
+        raise InvalidRequest(f"Invalid value for '{name}': expected a non-empty array of messages.", param)
+    out = []
+    for i, msg in enumerate(value):
+        where = f"{name}[{i}]"
+        if not isinstance(msg, dict):
+            raise InvalidRequest(f"Invalid type for '{where}': expected an object.", param)
+        role, content = msg.get("role"), msg.get("content")
+        if role not in ROLES:
+            raise InvalidRequest(f"Invalid value for '{where}.role': expected one of {', '.join(ROLES)}.",
+                                 param)
+        extra = set(msg) - set(Message.model_fields)
+        if extra:
+            raise InvalidRequest(f"Unrecognized request argument supplied: {where}.{sorted(extra)[0]}",
+                                 param)
+        if isinstance(content, list):  # OpenAI content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise InvalidRequest(f"Invalid value for '{where}.content': only text parts are supported.",
+                                     param)
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise InvalidRequest(f"Invalid type for '{where}.content': expected a string.", param)
+        out.append({"role": role, "content": content})
+    return out
+
+
 class ChatBody(SamplingFields, ConstraintFields):
     """POST /v1/chat/completions."""
 
@@ -196,33 +228,7 @@ class ChatBody(SamplingFields, ConstraintFields):
     @parses("messages")
     def parse_messages(value, limits: Limits) -> list[dict]:
         """Each message as {"role", "content"}, text parts joined."""
-        if value is None:
-            raise InvalidRequest("Missing required parameter: 'messages'.", "messages")
-        if not isinstance(value, list) or not value:
-            raise InvalidRequest("Invalid value for 'messages': expected a non-empty array of messages.", "messages")
-        out = []
-        for i, msg in enumerate(value):
-            where = f"messages[{i}]"
-            if not isinstance(msg, dict):
-                raise InvalidRequest(f"Invalid type for '{where}': expected an object.", "messages")
-            role, content = msg.get("role"), msg.get("content")
-            if role not in ROLES:
-                raise InvalidRequest(f"Invalid value for '{where}.role': expected one of {', '.join(ROLES)}.",
-                                     "messages")
-            extra = set(msg) - set(Message.model_fields)
-            if extra:
-                raise InvalidRequest(f"Unrecognized request argument supplied: {where}.{sorted(extra)[0]}",
-                                     "messages")
-            if isinstance(content, list):  # OpenAI content parts: text only
-                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                           for p in content):
-                    raise InvalidRequest(f"Invalid value for '{where}.content': only text parts are supported.",
-                                         "messages")
-                content = "".join(p["text"] for p in content)
-            if not isinstance(content, str):
-                raise InvalidRequest(f"Invalid type for '{where}.content': expected a string.", "messages")
-            out.append({"role": role, "content": content})
-        return out
+        return message_list(value)
 
     @property
     def max_tokens_given(self) -> tuple[int | None, str]:

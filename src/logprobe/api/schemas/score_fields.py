@@ -73,7 +73,19 @@ def parse_asked_ids(value, limits: Limits) -> tuple[int, ...] | list[list[tuple[
 
 
 def check_conversation(body, limits: Limits) -> None:
-    """The rules between `messages`, `score_messages`, `replies` and the text fields."""
+    """The rules between `messages`, `conversations`, `score_messages`, `replies` and the text fields."""
+    if body.conversations is not None:
+        for field in ("input", "context", "messages", "score_messages", "replies", "response_format",
+                      "structured_outputs"):
+            if getattr(body, field) is not None:
+                raise InvalidRequest(f"'{field}' and 'conversations' cannot be combined: 'conversations' scores "
+                                     "each conversation's last assistant turn (send one conversation in 'messages' "
+                                     "for the other fields).", field)
+        for c, messages in enumerate(body.conversations):
+            if not any(m["role"] == "assistant" for m in messages):
+                raise InvalidRequest(f"'conversations[{c}]' has no assistant message to score: end it with the "
+                                     "assistant's reply.", "conversations")
+        return
     if body.messages is None:
         for field in ("score_messages", "replies"):
             if getattr(body, field) is not None:
@@ -107,13 +119,20 @@ def check_conversation(body, limits: Limits) -> None:
                              "assistant's reply, or send the candidate replies in 'replies'.", "messages")
 
 
+def last_assistant(messages: list[dict]) -> int:
+    return max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+
+
 def scored_turns(body) -> list[int]:
-    """The indices, in the conversation the template renders, of the assistant turns scored: one entry each."""
+    """The indices, in the conversation the template renders, of the assistant turns scored: one entry each
+    (with `conversations`, each conversation's last assistant turn)."""
+    if body.conversations is not None:
+        return [last_assistant(messages) for messages in body.conversations]
     if body.replies is not None:
         return [len(body.messages)] * len(body.replies)
     if body.score_messages is not None:
         return list(body.score_messages)
-    return [max(i for i, m in enumerate(body.messages) if m["role"] == "assistant")]
+    return [last_assistant(body.messages)]
 
 
 def check_entry_lists(body, num_entries: int) -> None:

@@ -11,7 +11,7 @@ from .. import validation as v
 from ..errors import InvalidRequest
 from .base import RequestModel, check, parses
 from . import score_fields
-from .completions import ChatBody, Message, Prompt, TopLogprobs, all_ints, prompt_list
+from .completions import ChatBody, Message, Prompt, TopLogprobs, all_ints, message_list, prompt_list
 from .constraints import ConstraintFields, ResponseFormatField, StructuredOutputsField
 from .sampling import ResidualStream, SamplingFields, TokensAsIds, User
 
@@ -47,6 +47,9 @@ class ScoreBody(ConstraintFields):
     messages: list[Message] | None = Field(None, description="A conversation, rendered by the model's chat "
                                            "template as /v1/chat/completions renders it, instead of `input`: "
                                            "its assistant turns are scored.")
+    conversations: list[list[Message]] | None = Field(None, description="Several conversations, each scored on "
+                                                      "its last assistant turn (one entry each, in order), instead of "
+                                                      "`messages` or `input`: what a dataset of conversations sends.")
     score_messages: list[int] | None = Field(None, description="The indices of the assistant messages scored, "
                                              "one entry each (default: the last assistant message).")
     replies: list[str] | None = Field(None, description="Candidate contents of the assistant turn after "
@@ -68,6 +71,18 @@ class ScoreBody(ConstraintFields):
     def parse_messages(value, limits: Limits) -> list[dict] | None:
         return None if value is None else ChatBody.parsers()["messages"](value, limits)
 
+    @parses("conversations")
+    def parse_conversations(value, limits: Limits) -> list[list[dict]] | None:
+        if value is None:
+            return None
+        if not isinstance(value, list) or not value:
+            raise InvalidRequest("Invalid value for 'conversations': expected a non-empty array of conversations "
+                                 "(each an array of messages).", "conversations")
+        if len(value) > limits.max_prompts:
+            raise InvalidRequest(f"Too many conversations: this server takes at most {limits.max_prompts} in one "
+                                 f"request (max_prompts), and this one has {len(value)}.", "conversations")
+        return [message_list(c, f"conversations[{i}]", "conversations") for i, c in enumerate(value)]
+
     parse_score_messages = parses("score_messages")(score_fields.parse_indices)
     parse_replies = parses("replies")(score_fields.parse_replies)
     parse_logprob_token_ids = parses("logprob_token_ids")(score_fields.parse_asked_ids)
@@ -82,12 +97,13 @@ class ScoreBody(ConstraintFields):
     @check
     def check_conversation(self, limits: Limits) -> None:
         score_fields.check_conversation(self, limits)
-        score_fields.check_entry_lists(self, len(self.input) if self.messages is None
+        score_fields.check_entry_lists(self, len(self.conversations) if self.conversations is not None
+                                       else len(self.input) if self.messages is None
                                        else len(score_fields.scored_turns(self)))
 
     @check
     def check_contexts(self, limits: Limits) -> None:
-        if self.messages is not None:
+        if self.messages is not None or self.conversations is not None:
             return
         if isinstance(self.context, list) and len(self.context) != len(self.input):
             raise InvalidRequest(f"Invalid value for 'context': {len(self.context)} contexts for {len(self.input)} "
