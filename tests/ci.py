@@ -4,8 +4,8 @@ tests at both ends of every dependency range (tests/version_ranges.py), side by 
     python tests/ci.py [--workers N] [--serial]
 
 - The suite runs on N pytest-xdist workers (default: the machine's logical CPUs, at least 2), a module's
-  tests on one worker (its fixtures are built once) and the modules that start a local Ray cluster one
-  after another on one worker (tests/conftest.py, `group_of` and the scheduler `pytest_xdist_make_scheduler` gives xdist).
+  tests on one worker (`--dist loadfile`: its fixtures are built once), the modules in the order
+  collected (`--no-loadscope-reorder`), which tests/conftest.py makes the longest first.
 - While it runs, the two range environments are built (`pip install`: downloads and unpacking, mostly
   waiting), then their tests start at a lower CPU priority (`nice`): they take the time the suite's
   workers leave, while a worker waits on a server or a subprocess, and all of it once the suite is done.
@@ -114,7 +114,8 @@ def main() -> int:
             thread = threading.Thread(target=run_range, args=(ranges[end], end, True), daemon=True)
             thread.start()
             threads.append(thread)
-        suite.code = subprocess.run([*pytest_command(args.coverage), "-n", str(args.workers), "--dist", "loadscope"],
+        suite.code = subprocess.run([*pytest_command(args.coverage), "-n", str(args.workers), "--dist", "loadfile",
+                                     "--no-loadscope-reorder"],
                                     cwd=ROOT).returncode
         suite.ended = time.monotonic()
         waiting = [end for end in ENDS if ranges[end].ended is None]

@@ -140,8 +140,11 @@ def client(tiny_engine):
 # ---------------------------------------------------------------------------------------------------
 # Running side by side (pytest-xdist, `-n`), and where the time goes.
 
-# Modules that start a local Ray cluster (or a `--replicas` server on one): one at a time, on one worker.
-RAY_MODULES = {"test_replicas.py", "test_batch_replicas.py", "test_cluster_budget_ray.py", "test_dataset_ray.py"}
+# The modules that take longest (each starts a local Ray cluster, or a `--replicas` server on one), handed
+# out to the workers first, the longest first; two may run side by side (two local Ray sessions, each
+# with its own ports and session directory).
+FIRST_MODULES = ["tests/e2e/test_dataset_ray.py", "tests/e2e/test_replicas.py", "tests/e2e/test_batch_replicas.py",
+                 "tests/e2e/test_cluster_budget_ray.py"]
 # A test that takes longer than this on its own says why in its docstring (docs/development.md).
 SLOW_S = 10.0
 SLOW_REASON = "slow:"
@@ -158,47 +161,26 @@ def pytest_configure(config):
         os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 
-def group_of(path: str) -> str:
-    """The group a test runs in on pytest-xdist workers, from its file's path (relative to the root): its
-    module, so that a module's fixtures (a server, a model, a Ray session) are built once; the Ray modules
-    share one group, so that no two Ray sessions start side by side."""
-    return "ray" if path.rsplit("/", 1)[-1] in RAY_MODULES else path
+# Under xdist (`--dist loadfile --no-loadscope-reorder`, as tests/ci.py runs it: a module's tests on one
+# worker, so that its fixtures are built once), the modules are handed out in the order collected: the
+# longest first, so that no worker is left alone with a long one at the end (the Ray modules, the other
+# end-to-end modules, then the models'). xdist's `--dist loadgroup` cannot group under pytest >= 9.1: it
+# appends the group to an item's `_nodeid`, which `nodeid` no longer reads, so every test was a group of
+# its own and a module's servers, models and Ray sessions were built on every worker.
+FIRST = ["tests/e2e", "tests/model", "tests/api", "tests/unit"]
 
 
-# Under xdist, the groups are handed out in the order collected: the longest first, so that no worker is
-# left alone with a long one at the end (the Ray group and the other end-to-end modules, then the models').
-FIRST = ["ray", "tests/e2e", "tests/model", "tests/api", "tests/unit"]
-
-
-def _order(item) -> int:
-    group = group_of(str(item.path.relative_to(item.config.rootpath)))
-    return next((i for i, prefix in enumerate(FIRST) if group.startswith(prefix)), len(FIRST))
+def _order(item) -> tuple[int, int]:
+    path = str(item.path.relative_to(item.config.rootpath))
+    if path in FIRST_MODULES:
+        return 0, FIRST_MODULES.index(path)
+    return 1, next((i for i, prefix in enumerate(FIRST) if path.startswith(prefix)), len(FIRST))
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     if os.environ.get("PYTEST_XDIST_WORKER"):
         items.sort(key=_order)  # stable: a module's tests keep their order
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    """`-n N --dist loadscope` (or loadgroup): whole groups (`group_of`) to a worker, in the order collected.
-
-    The scheduler is xdist's own scope scheduler with the scope read from the test's path. xdist's
-    `loadgroup` cannot do it under pytest >= 9.1: it marks a group by appending "@group" to an item's
-    `_nodeid`, which `nodeid` no longer reads, so every test became a group of its own and a module's
-    tests (and its fixtures: servers, models, Ray sessions) were spread over every worker."""
-    if config.getvalue("dist") not in ("loadscope", "loadgroup"):
-        return None
-    from xdist.scheduler import LoadScopeScheduling
-
-    class GroupScheduling(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return group_of(nodeid.split("::", 1)[0])
-
-    config.option.loadscopereorder = False  # keep the collected order: longest first
-    return GroupScheduling(config, log)
 
 
 def slow_reason(item) -> str | None:
