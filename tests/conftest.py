@@ -166,7 +166,7 @@ def pytest_configure(config):
 # longest first, so that no worker is left alone with a long one at the end (the Ray modules, the other
 # end-to-end modules, then the models'). xdist's `--dist loadgroup` cannot group under pytest >= 9.2: it
 # appends the group to an item's `_nodeid`, which `nodeid` no longer reads, so every test was a group of
-# its own and a module's servers, models and Ray sessions were built on every worker.
+# its own and a module's servers, models and Ray sessions were built on every worker (pytest-xdist#1386).
 FIRST = ["tests/e2e", "tests/model", "tests/api", "tests/unit"]
 
 
