@@ -163,7 +163,8 @@ def test_per_position_ids_against_reference(client, tiny_engine, reference, toke
 
 
 @pytest.mark.parametrize("body, param, words", [
-    ({"input": "a b c", "logprob_token_ids": [[1], [2]]}, "logprob_token_ids", "one list of ids per scored token"),
+    ({"input": "a b c", "logprob_token_ids": [[1], [2]]}, "logprob_token_ids",
+     "one list of ids per token of the entry's 'tokens'"),
     ({"input": ["a", "b"], "logprob_token_ids": [[1]]}, "logprob_token_ids", "one list of positions per entry"),
     ({"input": "a", "logprob_token_ids": [[10**6]]}, "logprob_token_ids", "outside the vocabulary"),
     ({"messages": [{"role": "user", "content": "Hi"}]}, "messages", "no assistant message"),
