@@ -539,7 +539,8 @@ WRONG_TYPES = {
         "add_special_tokens": "false", "return_tokens_as_token_ids": 1, "stream_options": [True],
         "logprob_token_ids": "330", "position_stats": 1, "top_logprobs_p": "0.9", "logprobs_mode": ["raw"],
         "interventions": {"layer": 1}, "return_unmodified": "yes",
-        "logit_bias": [1], "allowed_token_ids": "1", "bad_words": "no", "min_tokens": "2", "ignore_eos": "yes", "skip_special_tokens": "no",
+        "logit_bias": [1], "allowed_token_ids": "1", "bad_words": "no", "min_tokens": "2", "ignore_eos": "yes",
+        "skip_special_tokens": "no",
         "response_format": "json", "structured_outputs": 5,
     },
     "/v1/chat/completions": {
@@ -551,7 +552,8 @@ WRONG_TYPES = {
         "return_tokens_as_token_ids": "true", "stream_options": "usage",
         "logprob_token_ids": [[330]], "position_stats": "true", "top_logprobs_p": [0.5], "logprobs_mode": True,
         "interventions": "add", "return_unmodified": 1,
-        "logit_bias": "5", "allowed_token_ids": [True], "bad_words": [1], "min_tokens": 1.5, "ignore_eos": 1, "skip_special_tokens": 0,
+        "logit_bias": "5", "allowed_token_ids": [True], "bad_words": [1], "min_tokens": 1.5, "ignore_eos": 1,
+        "skip_special_tokens": 0,
         "response_format": ["json_object"], "structured_outputs": "regex",
     },
     "/v1/score": {

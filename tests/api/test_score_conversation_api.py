@@ -53,7 +53,8 @@ def refused(client, body: dict, param: str, words: str) -> None:
     ({"input": ["a", "b"], "logprob_token_ids": [[[1]]]}, "logprob_token_ids", "1 lists of positions for 2"),
     ({"messages": CHAT, "score_messages": [1, 3], "logprob_token_ids": [[1]]}, "logprob_token_ids",
      "1 lists of positions for 2"),
-    ({"input": "abc", "logprob_token_ids": [[1], [2]]}, "logprob_token_ids", "entry 0 has 1 tokens, and its list has 2"),
+    ({"input": "abc", "logprob_token_ids": [[1], [2]]}, "logprob_token_ids",
+     "entry 0 has 1 tokens, and its list has 2"),
     ({"input": "a", "logprob_token_ids": [[49152]]}, "logprob_token_ids", "token id 49152 is outside"),
 ])
 def test_refusals(fake_client, body, param, words):

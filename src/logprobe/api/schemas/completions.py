@@ -14,8 +14,8 @@ from ..errors import InvalidRequest
 from .base import DEFAULT_LIMITS as _L, Cap, Neutral, RequestModel, Unbounded, check, parses
 from .constraints import ConstraintFields, ResponseFormatField, StructuredOutputsField
 from .sampling import (N, AllowedTokenIds, BadWords, IgnoreEos, Interventions, Lens, LogitBias, LogprobsMode,
-    LogprobTokenIds, MinTokens, PositionStats, PromptLogprobs, ResidualStream, ReturnUnmodified, SamplingFields, Seed, SkipSpecialTokens, Stop, Stream,
-    StreamOptionsField, Temperature, TokensAsIds, TopK, TopLogprobsP, TopP, User, VocabEncoding)
+    LogprobTokenIds, MinTokens, PositionStats, PromptLogprobs, ResidualStream, ReturnUnmodified, SamplingFields, Seed,
+    SkipSpecialTokens, Stop, Stream, StreamOptionsField, Temperature, TokensAsIds, TopK, TopLogprobsP, TopP, User, VocabEncoding)
 
 Prompt = Union[str, list[str], list[int], list[list[int]]]
 PROMPT_TYPE = "a string, an array of strings, an array of integers or an array of arrays of integers"
