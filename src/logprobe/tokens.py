@@ -54,15 +54,16 @@ class TokenTable:
     token_bytes: list[bytes]
     strings: np.ndarray  # object array of str, indexed by token id
     special_ids: frozenset[int]
+    skipped_ids: frozenset[int] = frozenset()  # what generated text leaves out (skip_special_tokens)
 
     @classmethod
     def build(cls, tokenizer, vocab_size: int) -> "TokenTable":
+        special_ids = frozenset(int(i) for i in tokenizer.all_special_ids)
         added_tokens = getattr(tokenizer, "added_tokens_decoder", {}) or {}
         added = {int(i) for i in added_tokens}
-        # the named special tokens, and every added token marked special (SmolLM2's <repo_name>, ...): what
-        # decode(skip_special_tokens=True) leaves out
-        special_ids = frozenset(int(i) for i in tokenizer.all_special_ids) | frozenset(
-            int(i) for i, t in added_tokens.items() if getattr(t, "special", False))
+        # generated text leaves out the named special tokens and every added token marked special (SmolLM2's
+        # <repo_name>, ...), as decode(skip_special_tokens=True) does
+        skipped_ids = special_ids | frozenset(int(i) for i, t in added_tokens.items() if getattr(t, "special", False))
         pieces = tokenizer.convert_ids_to_tokens(list(range(min(vocab_size, len(tokenizer)))))
         byte_level = _is_byte_level(tokenizer)
         table = _gpt2_unicode_to_byte() if byte_level else None
@@ -87,7 +88,7 @@ class TokenTable:
         token_bytes.extend(b"" for _ in range(vocab_size - len(token_bytes)))
         strings = np.empty(vocab_size, dtype=object)
         strings[:] = [token_string(b) for b in token_bytes]
-        return cls(token_bytes, strings, special_ids)
+        return cls(token_bytes, strings, special_ids, skipped_ids)
 
     @functools.cached_property
     def max_token_bytes(self) -> int:
@@ -111,10 +112,18 @@ class TextAssembler:
         self.length = start
         self.offsets: list[int] = []
 
-    def add(self, token_id: int, special_text: bool = False) -> str:
+    @property
+    def table(self) -> TokenTable:
+        return self._table
+
+    def add(self, token_id: int, special_text: bool = False, silent: bool = False) -> str:
         """Append a token's text; a special token adds its own text only with `special_text` (an
-        echoed prompt spells its special tokens, generated text does not)."""
-        raw = self._table.token_bytes[token_id] if special_text else self._table.text_bytes(token_id)
+        echoed prompt spells its special tokens, generated text does not); a `silent` one adds none
+        (generated text's skip_special_tokens)."""
+        if silent:
+            raw = b""
+        else:
+            raw = self._table.token_bytes[token_id] if special_text else self._table.text_bytes(token_id)
         pending = self._decoder.getstate()[0]
         piece = self._decoder.decode(raw)
         offset = self.length

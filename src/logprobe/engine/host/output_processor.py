@@ -73,9 +73,11 @@ class OutputProcessor:
         before = seq.text.length
         may_stop = len(seq.token_ids) > params.min_tokens
         ends = token in params.stop_token_ids and not params.ignore_eos and may_stop
-        # a special token writes its text only with skip_special_tokens false, and the stop token that
-        # ends the choice never does (vLLM's detokenizer drops it)
-        seq.text.add(token, special_text=not params.skip_special_tokens and not ends)
+        # a special token writes its text only with skip_special_tokens false (by default every token the
+        # tokenizer marks special writes none), and the stop token that ends the choice never does (vLLM's
+        # detokenizer drops it)
+        skip = params.skip_special_tokens
+        seq.text.add(token, special_text=not skip and not ends, silent=skip and token in seq.text.table.skipped_ids)
         if ends:
             seq.finish_reason = FinishReason.STOP
         elif params.stop and may_stop and cut_at_stop(seq, params.stop, before):
