@@ -37,6 +37,36 @@ def gemma_dir():
 
 
 @pytest.fixture(scope="session")
+def gemma_tokenizer():
+    """Gemma 3's tokenizer as the loader builds it (and checks it: `check_tokenizer`), without its
+    weights: from the second bundled model's cache where a server start made it, otherwise converted from
+    the GGUF alone (~30 s, against ~90 s for dequantizing the weights too, which the range ends' tests
+    would otherwise do for one tokenizer). Skips where the model's package is not installed."""
+    import tempfile
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    entry = loader.packaged_model("gemma3-270m")
+    try:
+        module = loader._packaged_module(entry)
+    except loader.ModelLoadError as exc:
+        pytest.skip(str(exc))
+
+    def make():
+        cached = loader.packaged_cache_dir(entry)
+        if (cached / "logprobe.json").is_file():
+            return AutoTokenizer.from_pretrained(str(cached))
+        with tempfile.TemporaryDirectory(dir=loader.cache_root()) as scratch:
+            module.assemble(output_path=Path(scratch) / module.MODEL_NAME, overwrite=True)
+            return AutoTokenizer.from_pretrained(scratch, gguf_file=module.MODEL_NAME)
+
+    made = _one_at_a_time(make)  # waits for a dequantization in progress, and takes its tokenizer
+    loader.check_tokenizer(entry, made)
+    return made
+
+
+@pytest.fixture(scope="session")
 def tokenizer(smol_dir):
     from transformers import AutoTokenizer
 

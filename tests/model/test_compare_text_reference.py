@@ -14,26 +14,12 @@ from fastapi.testclient import TestClient
 from logprobe.api.app import attach_backends, create_app
 from logprobe.config import Limits
 from logprobe.engine.engine import Engine
-from logprobe.engine.runners import loader
 
 TOL = 1e-5  # absolute, per token: float32 engines against float64 references (as the other reference tests)
 TEXTS = [
     ("The naïve café owner said: 日本語 is fun 🙂, isn't it?\n\n  Yes.", None),
     (" — and then, 1234 ÷ 7 ≈ 176.29", "Question: what is it?\nAnswer:"),
 ]
-
-
-@pytest.fixture(scope="module")
-def gemma_tokenizer(request):
-    """Gemma 3's tokenizer, from the second bundled model's cache (`gemma_dir`: made once, under the
-    cache's lock, for the end-to-end Gemma tests and the range ends' tests too)."""
-    from transformers import AutoTokenizer
-
-    try:
-        directory = request.getfixturevalue("gemma_dir")
-    except loader.ModelLoadError as exc:
-        pytest.skip(str(exc))
-    return AutoTokenizer.from_pretrained(str(directory))
 
 
 @pytest.fixture(scope="module")
