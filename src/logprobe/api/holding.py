@@ -22,12 +22,7 @@ class BackendLost(Unavailable):
 
 
 class ClientGone(Exception):
-    """The client closed the connection before its answer was ready; `generated`: the tokens generated
-    for it until then."""
-
-    def __init__(self, generated: int = 0):
-        super().__init__()
-        self.generated = generated
+    """The client closed the connection before its answer was ready (logged 499)."""
 
 
 async def never_gone() -> None:
@@ -73,29 +68,39 @@ async def run_jobs(jobs: list[tuple]) -> list[list[GenerationOutput]]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def run_jobs_while_connected(call: Call, jobs: list[tuple], timeout: float | None) -> list[list[GenerationOutput]]:
+async def run_jobs_while_connected(call: Call, jobs: list[tuple], timeout: float | None,
+                                   on_stop: Callable[[int], None] | None = None) -> list[list[GenerationOutput]]:
     """Run each (backend, requests) job, on one or more backends at the same time; if the client
     disconnects first, abort them (the backend drops them before their next step) instead of finishing
-    work nobody will read; the same, with 504, when they run past the request time-out. A backend that
-    lost the requests (a replica died) answers 503."""
+    work nobody will read (ClientGone); the same, with 504, when they run past the request time-out. A
+    backend that lost the requests (a replica died) answers 503. The task running this cancelled (server
+    shutdown, a batch line stopped) aborts them too, and the cancellation goes on as it came. However a
+    run is stopped, `on_stop` is first told the tokens generated for it until then."""
     single = len(jobs) == 1  # one backend: its own run, without a wrapping task
     run = asyncio.ensure_future(jobs[0][0].run(jobs[0][1]) if single else run_jobs(jobs))
+
+    async def stop() -> None:
+        if on_stop is not None:
+            on_stop(generated_so_far(jobs))
+        run.cancel()  # the backend aborts the requests
+        await asyncio.gather(run, return_exceptions=True)
 
     watcher = asyncio.ensure_future(call.gone())
     try:
         await asyncio.wait({run, watcher}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    finally:
+    except BaseException:  # cancelled while it ran: the cancellation, not an answer
         watcher.cancel()
         if not run.done():
-            generated = generated_so_far(jobs)
-            run.cancel()  # the backend aborts the requests
-            await asyncio.gather(run, return_exceptions=True)
-            if watcher.done() and not watcher.cancelled():
-                raise ClientGone(generated)
-            stopped = Timeout(f"The request ran longer than this server's limit of {timeout:g} s "
-                              "(request_timeout) and was stopped.")
-            stopped.generated = generated
-            raise stopped
+            await stop()
+        raise
+    watcher.cancel()
+    if not run.done():
+        await stop()
+        if watcher.done() and not watcher.cancelled():
+            raise ClientGone()
+        # asyncio.wait returned with neither done: only the time-out ends it so (timeout is a number here)
+        raise Timeout(f"The request ran longer than this server's limit of {timeout:g} s "
+                      "(request_timeout) and was stopped.")
     try:
         return [run.result()] if single else run.result()
     except BackendUnavailable as exc:
@@ -174,14 +179,16 @@ async def run_held_jobs(admission, call: Call, jobs: list[tuple], timeout: float
     requests = [r for _, job_requests in jobs for r in job_requests]
     hold = await admit(admission, call, requests)
     results, lost, generated = None, False, 0
+
+    def stopped(count: int) -> None:  # client gone, time-out or cancellation: what ran is charged too
+        nonlocal generated
+        generated = count
+
     try:
-        results = await run_jobs_while_connected(call, jobs, timeout)
+        results = await run_jobs_while_connected(call, jobs, timeout, stopped)
         generated = sum(o.num_generated for outputs in results for o in outputs)
     except BackendLost:
         lost = True
-        raise
-    except (ClientGone, Timeout) as exc:  # stopped: what was generated until then is charged too
-        generated = getattr(exc, "generated", 0)
         raise
     finally:
         release(admission, call, hold, requests, generated, lost)
@@ -215,7 +222,7 @@ async def stream_held(admission, call: Call, backend, requests, hold, k: int, fo
         if not first.done():
             first.cancel()
             await asyncio.gather(first, return_exceptions=True)
-            raise ClientGone(usage["completion"])
+            raise ClientGone()
         head = first.result()  # the first chunk, or the error before it
     except BaseException:
         first.cancel()

@@ -215,10 +215,6 @@ class BatchRunner:
             try:
                 data, status = await self.pipeline.answer(endpoint, body, call), 200
             except APIError as exc:
-                if asyncio.current_task().cancelling():
-                    # stopped (cancel, expiry, shutdown): the pipeline reports a stopped run as a time-out,
-                    # but this line was not answered
-                    raise asyncio.CancelledError from None
                 if exc.status == 503 and self.draining:
                     await asyncio.to_thread(self.store.unlease, self.name, [(line.batch_id, line.idx)])
                     return  # not answered: it runs after the restart
@@ -228,11 +224,7 @@ class BatchRunner:
                     await asyncio.sleep(float(exc.headers.get("retry-after", RETRY_S)))
                     continue
                 data, status = error_body(exc.message, exc.type, exc.param, exc.code, call.request_id), exc.status
-            except (asyncio.CancelledError, KeyboardInterrupt):
-                raise
             except Exception:
-                if asyncio.current_task().cancelling():
-                    raise asyncio.CancelledError from None
                 log.exception("batch line failed (%s)", call.request_id)
                 exc = InternalError("The server had an error while processing your request.")
                 data, status = error_body(exc.message, exc.type, None, exc.code, call.request_id), 500
