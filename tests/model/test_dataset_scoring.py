@@ -289,6 +289,25 @@ def test_python_api_equals_the_job(in_process, rows, tiny_engine):
         score(frame, column="nope", engine=tiny_engine, progress=False)
 
 
+def test_each_row_is_a_request_of_its_own(rows, tiny_engine, monkeypatch):
+    """The engine sees every row under a request id of its own (its abort and progress are per row), and
+    two calls never share one."""
+    from logprobe.datasets import score
+
+    seen = []
+    run = tiny_engine.run
+
+    async def recording(requests):
+        seen.append([r.request_id for r in requests])
+        return await run(requests)
+
+    monkeypatch.setattr(tiny_engine, "run", recording)
+    score([r["text"] for r in rows[:12] if r["text"]], engine=tiny_engine, progress=False)
+    score(["one more row", "and another"], engine=tiny_engine, progress=False)
+    ids = [rid for call in seen for rid in call]
+    assert len(seen) == 2 and len(ids) == len(set(ids)) == sum(map(len, seen)) >= 12
+
+
 def test_bad_input_is_refused(tmp_path):
     def refused(text: str, name: str = "in.jsonl", **kw):
         path = tmp_path / name

@@ -65,7 +65,7 @@ class InProcessScorer:
     def prepare(self, rows: list[Row]) -> list[Prepared]:
         """Check every row as /v1/score would (the pipeline's checks); a row that cannot be scored gets
         its reason."""
-        from ..api.errors import APIError
+        from ..api.errors import APIError, new_request_id
         from ..api.routes import SCORE
 
         out = []
@@ -74,7 +74,8 @@ class InProcessScorer:
                 out.append(Prepared(row))
                 continue
             try:
-                checked = self.pipeline.check(SCORE, row_body(row, self.model_name, self.options), "dataset")
+                # a request id of its own: the engine's abort and progress see each row as its request
+                checked = self.pipeline.check(SCORE, row_body(row, self.model_name, self.options), new_request_id())
             except APIError as exc:
                 out.append(Prepared(row, error=exc.message))
                 continue
@@ -94,13 +95,14 @@ class InProcessScorer:
     async def run(self, prepared: list[Prepared], on_rows=None) -> list[dict]:
         """Records (see columns.py) of prepared rows, in the given order; `on_rows(rows, tokens)` once
         they are back (one run of the engine)."""
+        from ..api.errors import new_request_id
         from ..api.holding import Call
 
         todo = sorted((p for p in prepared if p.item is not None),
                       key=lambda p: (p.row.context or "", p.num_tokens))
         records: dict[int, dict] = {}
         if todo:
-            answers = await self.pipeline.run_together([p.item for p in todo], Call("dataset"))
+            answers = await self.pipeline.run_together([p.item for p in todo], Call(new_request_id()))
             for p, answer in zip(todo, answers):
                 records[p.row.index] = self._record(p, answer.payload["data"][0], answer.outputs[0].prompt_columns)
         for p in prepared:
