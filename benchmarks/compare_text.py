@@ -100,7 +100,8 @@ def own_work_ms(text: str, repeats: int = 20) -> tuple[float, float, float]:
 
     from transformers import AutoTokenizer
 
-    from logprobe.api import comparing, scoring, span_comparing
+    from logprobe.api.compare import serving as comparing, spans as span_comparing
+    from logprobe.api.score import serving as scoring
     from logprobe.engine.runners import loader
     from logprobe.tokens import TokenTable
 

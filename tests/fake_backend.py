@@ -623,6 +623,14 @@ class FakeBackend:
             if g.request_id == request_id:
                 g.is_aborted = True
 
+    steps_here = True
+
+    def observe(self, on_step, on_failure) -> None:
+        self.step_observer, self.failure_observer = on_step, on_failure
+
+    def collector(self) -> None:
+        return None
+
     def generated(self, request_id: str) -> int:
         """Tokens generated so far by the running requests with this id (the engine's `generated`)."""
         return sum(len(seq.token_ids) for g in self._running if g.request_id == request_id for seq in g.sequences)

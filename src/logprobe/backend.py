@@ -11,7 +11,7 @@ process, `cluster.ray_backend.RayBackend` through Ray Serve, and the API tests u
 from __future__ import annotations
 
 import enum
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -405,12 +405,20 @@ class Backend(Protocol):
       something) ending with a `StreamEnd`; closing the iterator early aborts the requests;
     - `abort`: stop the requests with this id wherever they are;
     - `stats`: numbers for /health and /metrics: `in_flight`, `steps`, `kv_cache_bytes`, `failing`,
-      `step_failures`, `request_failures` and, after a failure, `last_error` ({"type", "at"}).
+      `step_failures`, `request_failures` and, after a failure, `last_error` ({"type", "at"});
+    - `generated`: the tokens generated so far by the running requests with this id (what a request
+      abandoned mid-run is charged beside its prompt), or None where the backend cannot tell (replicas);
+    - `steps_here`: whether the model's steps run in this process. Then `observe` gives the callbacks the
+      backend calls after each step, `on_step(seconds, rows)`, and after each failure,
+      `on_failure("step" | "request")`, on its own thread, and `collector` is None. A backend whose steps run
+      elsewhere (Ray Serve replicas) ignores `observe` and brings its metrics as a Prometheus
+      `collector`.
     """
 
     info: ModelInfo
     tokenizer: Any
     table: TokenTable
+    steps_here: bool
 
     async def run(self, requests: list[GenerationRequest]) -> list[GenerationOutput]: ...
 
@@ -419,6 +427,13 @@ class Backend(Protocol):
     def abort(self, request_id: str) -> None: ...
 
     def stats(self) -> dict: ...
+
+    def generated(self, request_id: str) -> int | None: ...
+
+    def observe(self, on_step: Callable[[float, int], None] | None,
+                on_failure: Callable[[str], None] | None) -> None: ...
+
+    def collector(self) -> Any | None: ...
 
 
 def finished_without_forward(request: GenerationRequest) -> GenerationOutput:

@@ -121,6 +121,24 @@ class AdmissionSettings:
     drain_timeout: float = option(30.0, "on SIGTERM: seconds to finish running requests before exiting")
 
 
+@dataclass(frozen=True)
+class SchedulerSettings:
+    """The engine scheduler's budgets (engine/host/scheduler.py says what each bounds), set once when an
+    engine is built (`Engine(scheduling=...)`). Not command-line options: a server runs the defaults; an
+    engine of its own, such as a dataset job's, is built with others."""
+
+    max_running: int = 64  # groups decoding (or prefilling) at once
+    score_batch_tokens: int = 4096  # padded tokens in one batched prompt-only pass
+    score_batch_tokens_decoding: int = 512  # the same while others decode
+    max_score_batch: int = 64  # rows of one prompt-only pass
+    prefill_tokens: int = 2048  # prompt tokens still to prefill, over the groups admitted to it
+    max_prefilling: int = 32
+    packed_prefill_tokens: int = 2048  # tokens of several prompts packed in one pass when none decode
+    linger_s: float = 0.02  # the longest a prompt-only batch waits for its usual companions
+    batch_step_tokens: int = 128  # prompt tokens batch groups take in one step
+    batch_pass_tokens: int = 1024  # padded tokens of a batch pass where the runner stops between blocks
+
+
 def default_data_dir() -> str:
     """Where batches and their files live by default: $XDG_DATA_HOME/logprobe, else
     ~/.local/share/logprobe (per user, kept across restarts)."""

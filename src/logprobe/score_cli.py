@@ -2,7 +2,7 @@
 `logprobe score --input FILE`: a dataset's, into a file (datasets/).
 
 In-process by default (loads the model, no server needed): the request goes through the API's pipeline
-(api/pipeline.py), the same checks and code as /v1/score, so the numbers are the API's. `--url` asks a
+(api/serving/pipeline.py), the same checks and code as /v1/score, so the numbers are the API's. `--url` asks a
 running server instead, through the one client of /v1/score (client/http.py).
 """
 
@@ -19,12 +19,14 @@ from .config import install_hint
 
 
 def score_in_process(args) -> dict:
-    from .engine.runners import loader
+    from .config import Settings
     from .engine.engine import Engine
+    from .engine.runners import loader
 
     source = loader.resolve_source(args.model)
-    model, tokenizer = loader.load(source, dtype=args.dtype, device=args.device)
-    engine = Engine(model, tokenizer, source.name, source.aliases)
+    # built as `logprobe serve` and a dataset job build theirs
+    engine = Engine.from_settings(Settings(model=args.model, dtype=args.dtype, device=args.device), source,
+                                  source.aliases)
     engine.start()
     try:
         return answer_in_process(engine, {**request_body(args), "model": engine.info.name})
@@ -36,9 +38,9 @@ def answer_in_process(engine, body: dict) -> dict:
     """The /v1/score answer for `body` from a started engine of this process, through the API's pipeline
     (no hold: the CLI is the engine's only caller); a refusal exits with its message."""
     from .api.errors import APIError
-    from .api.holding import Call
-    from .api.pipeline import Pipeline
-    from .api.routes import SCORE
+    from .api.serving.holding import Call
+    from .api.serving.pipeline import Pipeline
+    from .api.registry import SCORE
     from .config import Limits
 
     try:

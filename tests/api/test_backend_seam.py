@@ -569,7 +569,7 @@ def test_a_timed_out_run_is_charged_what_it_generated(tiny_engine, caplog, monke
     The engine is paused after 3 steps (the prompt and its first token, then two more tokens for each of
     the 16 choices) until the answer has come, and the time-out's clock starts only then: 48 tokens, on
     any machine."""
-    from logprobe.api import holding
+    from logprobe.api.serving import holding
 
     app = create_app(tiny_engine, Limits(), AdmissionSettings(request_timeout=0.2))
     with TestClient(app) as c, caplog.at_level(logging.INFO, logger="logprobe.access"):
@@ -622,7 +622,7 @@ def test_a_queued_request_whose_client_left_leaves_the_queue_at_once():
 def test_a_cancelled_admission_leaves_no_hold(queued):
     """The handler cancelled while its request is being admitted (server shutdown), at once or while it
     waits in the queue: nothing stays held, queued or running, and the next request is admitted."""
-    from logprobe.api.holding import Call, admit
+    from logprobe.api.serving.holding import Call, admit
 
     app = create_app(FakeBackend(TinyTokenizer()), Limits(max_tokens_in_flight=100), AdmissionSettings())
     admission = app.state.admission

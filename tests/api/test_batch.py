@@ -277,7 +277,7 @@ def test_expiry_and_retention_on_an_injected_clock(tokenizer, tmp_path):
 
 def test_a_rate_limited_line_waits_instead_of_failing(tokenizer, tmp_path, monkeypatch):
     """A 429 from the hold (a key's budget) is never an answer of a batch line: the line runs again."""
-    from logprobe.api import admission as admission_module
+    from logprobe.api.serving import admission as admission_module
 
     app = build(tokenizer, tmp_path)
     real = admission_module.Admission.acquire

@@ -19,7 +19,7 @@ from logprobe.config import BatchSettings, Limits
 
 PATHS = ["/v1/completions", "/v1/chat/completions"]
 YES, NO = 9805, 787  # " yes" and " no", one token each in SmolLM2's tokenizer
-# a regex, not a choice list: a choice is decided whole before generation (api/choice_decision.py), so a
+# a regex, not a choice list: a choice is decided whole before generation (api/serving/choice_decision.py), so a
 # choice no allowed token spells is refused before anything runs (test_a_choice_nothing_can_spell_...)
 FIRST = {"structured_outputs": {"regex": " yes"}, "allowed_token_ids": [330]}  # " A": no token at all
 LATER = {"structured_outputs": {"regex": " yes no"}, "allowed_token_ids": [YES]}  # " yes", then nothing

@@ -9,7 +9,9 @@ import json
 
 import pytest
 
-from logprobe.api import chat, completions, scoring
+from logprobe.api.chat import serving as chat
+from logprobe.api.completions import serving as completions
+from logprobe.api.score import serving as scoring
 from logprobe.backend import Constraint
 from logprobe.config import Limits
 

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from logprobe.api.app import create_app
-from logprobe.api.schemas import BODIES
+from logprobe.api.registry import BODIES
 from logprobe.config import Limits
 
 LIMITS = Limits()

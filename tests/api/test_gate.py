@@ -210,6 +210,25 @@ def test_health_loading_ready_draining(fake_backend):
         assert err["type"] == "server_error" and "shutting down" in err["message"]
 
 
+def test_metrics_label_a_path_by_its_route(fake_backend):
+    """The path label is the template of the route a path matched, so every endpoint of the registry has
+    its own (/v1/tree among them) and the labels stay few whatever paths clients send."""
+    with make_client(fake_backend) as c:
+        assert c.post("/v1/tree", json={"model": "tiny", "prompt": [5, 6], "depth": 1, "branches": 2}).status_code == 200
+        assert c.get("/v1/models/tiny").status_code == 200
+        assert c.get("/v1/models/nothing-here").status_code == 404
+        assert c.get("/no/such/path/1").status_code == 404
+        assert c.get("/no/such/path/2").status_code == 404
+        assert c.get("/v1/tree").status_code == 405  # the route's path, another method
+        text = c.get("/metrics").text
+    counts = {(path, status): float(n) for path, status, n in
+              re.findall(r'^logprobe_requests_total\{path="([^"]*)",status="(\d+)"\} (\S+)$', text, re.M)}
+    assert counts[("/v1/tree", "200")] == 1 and counts[("/v1/tree", "405")] == 1
+    assert counts[("/v1/models/{model}", "200")] == 1 and counts[("/v1/models/{model}", "404")] == 1
+    assert counts[("other", "404")] == 2
+    assert not any("/no/such" in path for path, _ in counts)
+
+
 def test_metrics_exposition(fake_backend):
     with make_client(fake_backend) as c:
         c.post("/v1/completions", json=BODY)

@@ -1,4 +1,4 @@
-"""Every request that runs a model enters through one pipeline (api/pipeline.py): a check added to it
+"""Every request that runs a model enters through one pipeline (api/serving/pipeline.py): a check added to it
 refuses the same body over HTTP, as a batch line, as a dataset job's row and in `logprobe score TEXT`;
 and the one vocabulary check names the vocabulary's size (vLLM's message)."""
 
@@ -10,7 +10,7 @@ import orjson
 import pytest
 from fastapi.testclient import TestClient
 
-from logprobe.api import pipeline
+from logprobe.api.serving import pipeline
 from logprobe.api.app import create_app
 from logprobe.api.errors import InvalidRequest
 from logprobe.batch import runner as batch_runner

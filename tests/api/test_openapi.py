@@ -8,7 +8,7 @@ import re
 import pytest
 from openapi_spec_validator import validate
 
-from logprobe.api.schemas import BODIES
+from logprobe.api.registry import BODIES
 
 # The fields each route takes (its request model's, the neutral-only OpenAI ones included) and the
 # required ones, as the contract lists them

@@ -5,7 +5,7 @@ first token with it; every batch line is still answered. Steps are counted, neve
 is held between steps while the requests are placed.
 
 A batch line reaches admission as the batch runner sends it: a request whose `request.state.priority`
-is "batch" (api/holding.py `admit`). Here a middleware sets it from a test header."""
+is "batch" (api/serving/holding.py `admit`). Here a middleware sets it from a test header."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from logprobe.api.app import create_app
-from logprobe.api.steering import bad_words_ids
+from logprobe.api.checks.steering import bad_words_ids
 from logprobe.backend import SamplingParams
 from logprobe.config import Limits
 

@@ -1,4 +1,4 @@
-"""`structured_outputs.choice` decided by each answer's own log probability (api/choice_decision.py),
+"""`structured_outputs.choice` decided by each answer's own log probability (api/serving/choice_decision.py),
 against the float64 forward of the same weights: every answer's `choice_logprobs` entry is the
 reference's sum over its tokens (the answer encoded on its own, after the prompt's tokens); greedy
 spells the likeliest answer, its emitted tokens' raw numbers are the reference's; seeded samples follow

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from logprobe.api.admission import Admission, RateLimited, duration
+from logprobe.api.serving.admission import Admission, RateLimited, duration
 from logprobe.api.errors import InvalidRequest, Unavailable
 
 

@@ -11,9 +11,9 @@ import threading
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from logprobe.api.admission import BATCH_WAIT_S, Admission, RateLimited
+from logprobe.api.serving.admission import BATCH_WAIT_S, Admission, AdmissionControl, RateLimited
 from logprobe.api.errors import InvalidRequest
-from logprobe.api.metrics import EngineMetrics
+from logprobe.api.shell.metrics import EngineMetrics
 from logprobe.cluster.state import ClusterState, SharedAdmission
 
 
@@ -77,6 +77,16 @@ def _script(admission, clock: Clock) -> list:
         return out
 
     return asyncio.run(main())
+
+
+def test_both_admissions_are_admission_controls():
+    """The API holds requests through the AdmissionControl protocol: one process's admission and the
+    application's shared one both have all of it."""
+    assert isinstance(Admission(capacity=100), AdmissionControl)
+    shared = SharedAdmission(Local(ClusterState(1000, clock=Clock())), capacity=100, tokens_per_minute=1000,
+                             queue_timeout=1.0)
+    assert isinstance(shared, AdmissionControl)
+    assert not isinstance(object(), AdmissionControl)
 
 
 def test_the_shared_budget_answers_as_one_process():
@@ -317,6 +327,19 @@ def test_every_replicas_metrics_in_one_family_each(ray_app):
     assert counts == {"r1": "3.0", "r2": "5.0"}  # a replica silent for 30 s is left out
     assert 'logprobe_engine_failures_total{kind="request",replica="r2"} 1.0' in text
     assert 'logprobe_kv_cache_bytes{replica="r1"} 2048.0' in text
+
+
+def test_the_ray_backend_is_a_backend(ray_app):
+    """The Backend protocol declares all the API calls: the Ray backend has it, steps elsewhere, brings
+    its replicas' metrics as a collector, and cannot tell what an abandoned request generated."""
+    from logprobe.backend import Backend
+    from logprobe.cluster.ray_backend import RayBackend, ReplicaMetrics
+
+    backend = RayBackend(handle=None, state=None, info=None, tokenizer=None, table=None, target="2")
+    assert isinstance(backend, Backend)
+    assert backend.steps_here is False and isinstance(backend.collector(), ReplicaMetrics)
+    assert backend.generated("any") is None
+    backend.observe(lambda seconds, rows: None, lambda kind: None)  # nothing to observe in this process
 
 
 @pytest.mark.parametrize("value,expected", [("2", (2, 2)), ("1:8", (1, 8)), ("0:3", (0, 3))])

@@ -6,7 +6,10 @@ from __future__ import annotations
 import pytest
 
 from logprobe.api.errors import InvalidRequest
-from logprobe.api.schemas import BODIES, ChatBody, CompletionBody, ScoreBody
+from logprobe.api.registry import BODIES
+from logprobe.api.chat.protocol import ChatBody
+from logprobe.api.completions.protocol import CompletionBody
+from logprobe.api.score.protocol import ScoreBody
 from logprobe.backend import SamplingParams
 from logprobe.config import Limits
 

@@ -8,6 +8,7 @@ import pytest
 
 from fake_backend import TinyTokenizer
 from logprobe.backend import FinishReason, SamplingParams
+from logprobe.config import SchedulerSettings
 from logprobe.engine.host.request import SequenceGroup
 from logprobe.engine.host.scheduler import Scheduler
 from logprobe.tokens import TokenTable
@@ -75,7 +76,7 @@ def test_groups_are_served_in_arrival_order():
 
 
 def test_prompt_only_groups_share_one_padded_batch():
-    scheduler = Scheduler(score_batch_tokens=100, max_score_batch=3)
+    scheduler = Scheduler(SchedulerSettings(score_batch_tokens=100, max_score_batch=3))
     for name, length in [("a", 10), ("b", 30), ("c", 20), ("d", 5), ("e", 5)]:
         scheduler.add(group(name, length, max_tokens=0))
     plan = scheduler.schedule()
@@ -84,14 +85,14 @@ def test_prompt_only_groups_share_one_padded_batch():
     run(scheduler, plan)
     assert names(scheduler.schedule().score) == ["d", "e"]
 
-    scheduler = Scheduler(score_batch_tokens=100)
+    scheduler = Scheduler(SchedulerSettings(score_batch_tokens=100))
     for name, length in [("a", 40), ("b", 40), ("c", 40)]:
         scheduler.add(group(name, length, max_tokens=0))
     assert names(scheduler.schedule().score) == ["a", "b"]  # a third would pad to 120
 
 
 def test_prompt_only_batch_is_smaller_while_others_decode():
-    scheduler = Scheduler(score_batch_tokens=1000, score_batch_tokens_decoding=50)
+    scheduler = Scheduler(SchedulerSettings(score_batch_tokens=1000, score_batch_tokens_decoding=50))
     scheduler.add(group("gen", 4, max_tokens=10))
     run(scheduler, scheduler.schedule())
     for name in "abc":
@@ -115,7 +116,7 @@ def test_groups_of_both_kinds_keep_their_order():
 
 
 def test_admission_to_prefill_stops_at_the_pending_token_budget():
-    scheduler = Scheduler(prefill_tokens=100)
+    scheduler = Scheduler(SchedulerSettings(prefill_tokens=100))
     for name in "abcd":
         scheduler.add(group(name, 60))
     plan = scheduler.schedule()
@@ -125,12 +126,12 @@ def test_admission_to_prefill_stops_at_the_pending_token_budget():
 
 
 def test_admission_limits_on_groups():
-    scheduler = Scheduler(max_prefilling=2)
+    scheduler = Scheduler(SchedulerSettings(max_prefilling=2))
     for name in "abc":
         scheduler.add(group(name, 1))
     scheduler.schedule()
     assert names(scheduler.prefilling) == ["a", "b"]
-    scheduler = Scheduler(max_running=3)
+    scheduler = Scheduler(SchedulerSettings(max_running=3))
     for name in "abcde":
         scheduler.add(group(name, 1, max_tokens=50))
     run(scheduler, scheduler.schedule())
@@ -167,10 +168,10 @@ def test_chunks_share_the_step_budget_in_order():
 
 
 def test_without_decoding_groups_prompts_are_packed_or_whole():
-    scheduler = Scheduler(prefill_chunk_tokens=16, packed_prefill_tokens=100)
+    scheduler = Scheduler(SchedulerSettings(packed_prefill_tokens=100), prefill_chunk_tokens=16)
     scheduler.add(group("alone", 500))
     assert chunks(scheduler.schedule()) == [("alone", 500)]  # one prompt alone goes whole
-    scheduler = Scheduler(prefill_chunk_tokens=16, packed_prefill_tokens=100, prefill_tokens=1000)
+    scheduler = Scheduler(SchedulerSettings(packed_prefill_tokens=100, prefill_tokens=1000), prefill_chunk_tokens=16)
     for name, length in [("a", 30), ("b", 50), ("c", 40)]:
         scheduler.add(group(name, length))
     assert chunks(scheduler.schedule()) == [("a", 30), ("b", 50), ("c", 20)]
@@ -280,7 +281,7 @@ def test_interactive_groups_go_ahead_of_waiting_batch_groups_in_arrival_order():
 
 
 def test_batch_prompt_only_groups_never_join_an_interactive_pass():
-    scheduler = Scheduler(score_batch_tokens=1000)
+    scheduler = Scheduler(SchedulerSettings(score_batch_tokens=1000))
     for name in ["b1", "b2", "b3"]:
         scheduler.add(batch(name, 10, max_tokens=0))
     scheduler.add(group("i", 10, max_tokens=0))
@@ -312,7 +313,7 @@ def test_an_interactive_prompt_pauses_batch_prompts_but_not_batch_decoding():
 
 
 def test_batch_prompts_being_prefilled_do_not_fill_the_budgets_of_interactive_ones():
-    scheduler = Scheduler(prefill_tokens=100, max_prefilling=2, prefill_chunk_tokens=8)
+    scheduler = Scheduler(SchedulerSettings(prefill_tokens=100, max_prefilling=2), prefill_chunk_tokens=8)
     scheduler.add(batch("b-gen", 3, max_tokens=100))
     run(scheduler, scheduler.schedule())
     for name in ["b1", "b2"]:
@@ -330,7 +331,7 @@ def test_batch_prompts_being_prefilled_do_not_fill_the_budgets_of_interactive_on
 
 
 def test_batch_groups_leave_slots_for_interactive_ones_and_the_next_free_slot_is_theirs():
-    scheduler = Scheduler(max_running=8)
+    scheduler = Scheduler(SchedulerSettings(max_running=8))
     assert scheduler.max_batch_running == 7
     for i in range(10):
         scheduler.add(batch(f"b{i}", 2, max_tokens=1 if i == 0 else 50))
@@ -348,7 +349,7 @@ def test_batch_groups_leave_slots_for_interactive_ones_and_the_next_free_slot_is
 
 
 def test_a_single_slot_serves_batch_groups_too():
-    scheduler = Scheduler(max_running=1)
+    scheduler = Scheduler(SchedulerSettings(max_running=1))
     scheduler.add(batch("b", 2))
     assert chunks(scheduler.schedule()) == [("b", 2)]
 
@@ -373,7 +374,7 @@ def test_an_interactive_request_among_200_batch_lines_runs_in_the_next_step(max_
     """200 batch lines queued and running (prompt-only or generating): an interactive request that
     arrives is in the very next step's plan, its prompt in a pass of its own kind, while every batch
     line still completes."""
-    scheduler = Scheduler(prefill_chunk_tokens=32, max_running=64)
+    scheduler = Scheduler(SchedulerSettings(max_running=64), prefill_chunk_tokens=32)
     lines = [batch(f"b{i}", 10 + i % 50, max_tokens=max_tokens) for i in range(200)]
     for line in lines:
         scheduler.add(line)
@@ -400,7 +401,7 @@ def test_an_interactive_request_among_200_batch_lines_runs_in_the_next_step(max_
 def test_batch_prompt_only_passes_hold_at_most_batch_step_tokens():
     """Batch scoring lines share a pass of at most `batch_step_tokens` padded tokens (an interactive
     request arriving mid-step waits for no more); interactive ones keep the larger budget."""
-    scheduler = Scheduler(prefill_chunk_tokens=256, batch_step_tokens=128)
+    scheduler = Scheduler(SchedulerSettings(batch_step_tokens=128), prefill_chunk_tokens=256)
     for i in range(10):
         scheduler.add(batch(f"b{i}", 30, max_tokens=0))
     plan = scheduler.schedule()
@@ -416,7 +417,7 @@ def test_a_long_batch_prompt_only_line_is_prefilled_in_chunks():
     """A batch scoring line longer than `batch_step_tokens` goes through chunked prefill, a chunk of at
     most `batch_step_tokens` a step, beside an interactive prompt that gets its own budget; without a
     chunking runner it runs whole in a prompt-only pass."""
-    scheduler = Scheduler(prefill_chunk_tokens=256, batch_step_tokens=128)
+    scheduler = Scheduler(SchedulerSettings(batch_step_tokens=128), prefill_chunk_tokens=256)
     scheduler.add(batch("long", 300, max_tokens=0))
     plan = scheduler.schedule()
     assert not plan.score and chunks(plan) == [("long", 128)]
@@ -430,7 +431,7 @@ def test_a_long_batch_prompt_only_line_is_prefilled_in_chunks():
     run(scheduler, plan)
     plan = scheduler.schedule()
     assert chunks(plan) == [("long", 44)]
-    whole = Scheduler(prefill_chunk_tokens=None, batch_step_tokens=128)
+    whole = Scheduler(SchedulerSettings(batch_step_tokens=128), prefill_chunk_tokens=None)
     whole.add(batch("long", 300, max_tokens=0))
     assert names(whole.schedule().score) == ["long"]
 
@@ -442,7 +443,7 @@ def test_an_interleaving_runner_takes_longer_batch_passes_and_whole_scoring_line
     """Where the runner stops between blocks for interactive steps, a batch prompt-only pass holds up to
     `batch_pass_tokens` and a scoring line up to that long runs whole in one; a longer one, and a batch
     prompt to generate from, are still prefilled in chunks of `batch_step_tokens`."""
-    scheduler = Scheduler(prefill_chunk_tokens=256, batch_step_tokens=128, batch_pass_tokens=512, interleaves=True)
+    scheduler = Scheduler(SchedulerSettings(batch_step_tokens=128, batch_pass_tokens=512), prefill_chunk_tokens=256, interleaves=True)
     for i in range(20):
         scheduler.add(batch(f"b{i}", 30, max_tokens=0))
     plan = scheduler.schedule()
@@ -464,7 +465,7 @@ def test_an_interactive_step_holds_interactive_prompts_and_every_decoding_row():
     prompts, never a batch prompt (waiting or being prefilled) nor a tree; running batch groups decode
     beside the interactive ones (a decode pass takes every row of the KV cache), and with no interactive
     group at work it plans nothing, not even the batch groups' decoding. The next plain step has everyone."""
-    scheduler = Scheduler(prefill_chunk_tokens=32, batch_step_tokens=16, interleaves=True)
+    scheduler = Scheduler(SchedulerSettings(batch_step_tokens=16), prefill_chunk_tokens=32, interleaves=True)
     scheduler.add(batch("b-gen", 3, max_tokens=100))
     run(scheduler, scheduler.schedule())  # b-gen decodes from now on
     scheduler.add(batch("b-long", 64))

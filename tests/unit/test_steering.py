@@ -157,7 +157,7 @@ def test_scoring_under_a_constraint_gives_no_log_probability_above_zero():
     """/v1/score's `constraint` block sums a position's allowed mass in float64 from the engine's float32
     rows, which can sum to a little over 1: the allowed mass, and each token's log probability given
     the constraint, are at most 0, and the block's sums are the sums of what it reports."""
-    from logprobe.api import constrained_scoring
+    from logprobe.api.score import constrained as constrained_scoring
     from logprobe.engine.host.grammar import TextCheck
 
     gen = torch.Generator().manual_seed(2)

@@ -7,6 +7,7 @@ import contextlib
 import hashlib
 import hmac
 import logging
+import re
 import time
 from pathlib import Path
 
@@ -16,16 +17,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import FileResponse, Response
+from starlette.routing import Mount
 from starlette.staticfiles import StaticFiles
 
 from ..config import AdmissionSettings, Limits
-from .admission import Admission
 from .errors import APIError, InternalError, InvalidAPIKey, Unavailable, error_response, new_request_id
-from .metrics import Metrics
-from .holding import ClientGone
-from .pipeline import Pipeline
+from .registry import add_request_bodies
 from .routes import router
-from .schemas import add_request_bodies
+from .serving.admission import Admission
+from .serving.holding import ClientGone
+from .serving.pipeline import Pipeline
+from .shell.metrics import Metrics
 
 log = logging.getLogger("logprobe.api")
 access_log = logging.getLogger("logprobe.access")
@@ -146,8 +148,7 @@ class Gate:
 
     def _record(self, scope, info, path: str, status: int, seconds: float) -> None:
         metrics = self.state.metrics
-        label = path if path in KNOWN_PATHS else ("/v1/models/{model}" if path.startswith("/v1/models/")
-                                                   else "other")
+        label = route_label(scope)
         metrics.requests.labels(label, str(status)).inc()
         metrics.request_seconds.labels(label).observe(seconds)
         usage = info.get("usage")
@@ -167,8 +168,15 @@ class Gate:
         access_log.info(orjson.dumps(line).decode())
 
 
-KNOWN_PATHS = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/score", "/v1/compare", "/v1/models",
-               "/tokenize", "/detokenize", "/tokenizer_info", "/health", "/metrics", "/", "/v1/files", "/v1/batches"}
+def route_label(scope) -> str:
+    """The metrics' path label: the template of the route the request matched (`/v1/models/{model}`,
+    `/v1/files/{file_id}`; the router notes it in the scope, a path of another method too), or `other`
+    (no route, the static files), so that the labels stay few whatever paths clients send."""
+    route = scope.get("route")
+    path = getattr(route, "path", None)
+    if isinstance(route, Mount) or not isinstance(path, str):
+        return "other"
+    return re.sub(r":\w+}", "}", path)  # {model:path} -> {model}
 
 
 def _request_id(request: Request) -> str:
@@ -179,7 +187,7 @@ def create_app(backend, limits: Limits | None = None, admission: AdmissionSettin
                api_keys=(), admission_control=None) -> FastAPI:
     """Build the ASGI app around a backend (backend.py: a started `Engine`, or replicas), or around None
     while the model loads (API paths answer 503 until `attach_backend`). `admission_control` replaces the
-    one-process hold (api/admission.py) with another of its interface (cluster/state.py). What is
+    one-process hold (api/serving/admission.py) with another of its interface (cluster/state.py). What is
     installed on top of it (the Batch API: server.py) adds its start and stop to `app.state.services`."""
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -275,13 +283,7 @@ def attach_backends(app: FastAPI, backends: list) -> None:
     the paths where `model` is optional). In-process engines report their steps and failures to this
     app's metrics as they happen (labelled by model when there are several); a backend of replicas
     brings its own (cluster/ray_app.py)."""
-    engines = [b for b in backends if hasattr(b, "step_observer")]
-    if engines:
-        app.state.metrics.attach_engines(engines)
-    for backend in backends:
-        extra = getattr(backend, "metrics_collector", None)
-        if extra is not None:
-            app.state.metrics.registry.register(extra)
+    app.state.metrics.attach_backends(backends)
     app.state.backends = list(backends)
     app.state.backend = backends[0]
     app.state.pipeline.attach(backends)

@@ -47,8 +47,8 @@ class ModelNotFound(APIError):
     status = 404
     code = "model_not_found"
 
-    def __init__(self, model: str):
-        super().__init__(f"The model `{model}` does not exist.", "model")
+    def __init__(self, model: str, param: str = "model"):
+        super().__init__(f"The model `{model}` does not exist.", param)
 
 
 class InvalidAPIKey(APIError):

@@ -1,4 +1,4 @@
-"""HTTP routes. Thin: the POST routes that run a model are `Endpoint`s run by pipeline.serve; the
+"""HTTP routes. Thin: the POST routes that run a model are registry.py's, each run by pipeline.serve; the
 others read the app's state."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
-from . import chat, comparing, responses, responses_stream, scoring, tree
-from . import completions as cmpl
-from .json_body import json_response, read_json
-from .pipeline import Endpoint, asks_whole_vocab, serve
-from .schemas import DetokenizeBody, TokenizeBody
-from .vocabulary import check_token_ids
+from .chat.serving import rendered_ids
+from .checks.vocabulary import check_token_ids
+from .registry import ROUTES, Route
+from .serving.pipeline import serve
+from .shell.json_body import json_response, read_json
+from .tokenizer.protocol import DetokenizeBody, TokenizeBody
 
 router = APIRouter()
 CREATED = int(time.time())
@@ -35,65 +35,16 @@ def model_card(backend, limits) -> dict:
     }
 
 
-COMPLETIONS = Endpoint(cmpl.parse, cmpl.tokenize, cmpl.check_caps, cmpl.build_requests, cmpl.format_response,
-                       cmpl.stream_formatters, whole_vocab=asks_whole_vocab)
-CHAT = Endpoint(chat.parse, chat.tokenize, chat.check_caps, chat.build_requests, chat.format_response,
-                chat.stream_formatters, whole_vocab=asks_whole_vocab)
-RESPONSES = Endpoint(responses.parse, responses.tokenize, responses.check_caps, responses.build_requests,
-                     responses.format_response, responses_stream.stream_formatters)
-SCORE = Endpoint(scoring.parse, scoring.tokenize, scoring.check_caps, scoring.build_requests,
-                 scoring.format_response)
-COMPARE = Endpoint(comparing.parse, comparing.tokenize, comparing.check_caps, comparing.build_requests,
-                   comparing.format_response, resolve=comparing.resolve, jobs=comparing.jobs, format_off_loop=True)
-TREE = Endpoint(tree.parse, tree.tokenize, tree.check_caps, tree.build_requests, tree.format_response)
+def _post_route(route: Route) -> None:
+    async def handler(request: Request):
+        return await serve(request, route.endpoint)
+
+    handler.__name__ = route.name
+    router.add_api_route(route.path, handler, methods=["POST"], name=route.name, description=route.description)
 
 
-@router.post("/v1/completions")
-async def create_completion(request: Request):
-    """OpenAI legacy completions with log probabilities of generated tokens (`logprobs`), of the
-    prompt (`echo` with `logprobs`, `prompt_logprobs`), and `usage` counting the BOS token."""
-    return await serve(request, COMPLETIONS)
-
-
-@router.post("/v1/chat/completions")
-async def create_chat_completion(request: Request):
-    """OpenAI chat completions over the model's chat template, with `logprobs` / `top_logprobs`, streaming,
-    and `prompt_logprobs` over the templated prompt."""
-    return await serve(request, CHAT)
-
-
-@router.post("/v1/responses")
-async def create_response(request: Request):
-    """OpenAI's Responses API over the model's chat template: text or message input, `instructions`,
-    `text.format` (structured output), the output tokens' log probabilities with `include:
-    ["message.output_text.logprobs"]` and `top_logprobs`, streamed as OpenAI's events. Nothing is stored."""
-    return await serve(request, RESPONSES)
-
-
-@router.post("/v1/score")
-async def score(request: Request):
-    """The log-likelihood of texts you already have: per-token log probabilities, their sum, mean,
-    perplexity and whether each token was the likeliest. No generation."""
-    return await serve(request, SCORE)
-
-
-@router.post("/v1/compare")
-async def compare(request: Request):
-    """Two served models that share a tokenizer, on the same tokens: at each position KL(p||q), KL(q||p)
-    and Jensen-Shannon divergence (nats) of their next-token distributions, each one's likeliest token
-    and whether they agree, and each one's log probability of the actual token. With `align: "text"`: two
-    or more models of any tokenizers, each one's log probability of every span of the text where all their
-    tokenizations have a boundary, the differences, bits per byte and the largest disagreements. No
-    generation."""
-    return await serve(request, COMPARE)
-
-
-@router.post("/v1/tree")
-async def token_tree(request: Request):
-    """The token tree below a prompt: each node's likeliest children to a depth, with every node's raw and
-    processed log probability, cumulative log probability, rank and the entropy it was chosen from. The
-    prompt runs once and each level of the tree in one pass."""
-    return await serve(request, TREE)
+for _route in ROUTES:
+    _post_route(_route)
 
 
 @router.get("/v1/models")
@@ -121,7 +72,7 @@ async def tokenize(request: Request):
         special = req.add_special_tokens is not False
         ids = await run_in_threadpool(lambda: backend.tokenizer(req.prompt, add_special_tokens=special).input_ids)
         return json_response({"tokens": ids, "count": len(ids), "max_model_len": backend.info.context_length})
-    text, ids = await run_in_threadpool(lambda: chat.rendered_ids(
+    text, ids = await run_in_threadpool(lambda: rendered_ids(
         backend, req.messages, add_generation_prompt=req.add_generation_prompt is not False,
         add_special_tokens=bool(req.add_special_tokens)))
     return json_response({"tokens": ids, "count": len(ids), "max_model_len": backend.info.context_length,

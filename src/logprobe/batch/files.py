@@ -14,12 +14,13 @@ import orjson
 from pydantic import ConfigDict, Field
 from typing import Literal
 
-from ..api import validation as v
+from ..api.checks import validation as v
 from ..api.errors import APIError, InvalidRequest
-from ..api.schemas.base import RequestModel, parses
+from ..api.checks.schema import RequestModel, parses
+from ..api.registry import BATCH_PATHS
 from ..config import Limits
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/score", "/v1/compare")
+ENDPOINTS = BATCH_PATHS  # the registry's endpoints a batch may name
 WINDOW_S = 24 * 3600
 
 
@@ -41,7 +42,7 @@ class BatchBody(RequestModel):
         {"input_file_id": "file-abc123", "endpoint": "/v1/score", "completion_window": "24h"}]})
 
     input_file_id: str = Field(..., description="The id of an uploaded file of purpose `batch` (JSONL).")
-    endpoint: Literal["/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/score", "/v1/compare"] = Field(
+    endpoint: Literal[BATCH_PATHS] = Field(
         ..., description="The endpoint every line's `url` names.")
     completion_window: Literal["24h"] = Field(..., description="The batch expires, its undone lines in the "
                                               "error file, 24 hours after it was created.")

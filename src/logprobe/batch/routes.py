@@ -12,7 +12,7 @@ from starlette.datastructures import UploadFile
 from starlette.responses import FileResponse
 
 from ..api.errors import InvalidRequest
-from ..api.json_body import json_response, read_json
+from ..api.shell.json_body import json_response, read_json
 from .files import BatchBody, WINDOW_S, batch_lines, batch_object, file_object, no_such, page, read_batch_file
 
 router = APIRouter()

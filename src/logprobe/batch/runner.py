@@ -22,7 +22,8 @@ import time
 import orjson
 
 from ..api.errors import APIError, InternalError, error_body, new_request_id
-from ..api.holding import Call
+from ..api.registry import BATCH_PATHS, BY_PATH
+from ..api.serving.holding import Call
 from ..backend import BATCH
 from .store import ACTIVE, Line, Result, Store, new_id
 
@@ -74,16 +75,13 @@ EXPIRED = unrun_line("batch_expired", "This line was not run before the batch's 
 
 class BatchRunner:
     def __init__(self, app, store: Store, batch_retention_s: float, in_flight: int = 128, lease_s: float = LEASE_S):
-        from ..api.routes import CHAT, COMPARE, COMPLETIONS, RESPONSES, SCORE
-
         self.pipeline = app.state.pipeline
         self.store = store
         self.batch_retention_s = batch_retention_s
         self.in_flight = in_flight
         self.lease_s = lease_s
         self.name = runner_name()  # this runner's leases
-        self.endpoints = {"/v1/completions": COMPLETIONS, "/v1/chat/completions": CHAT, "/v1/responses": RESPONSES,
-                          "/v1/score": SCORE, "/v1/compare": COMPARE}
+        self.endpoints = {path: BY_PATH[path].endpoint for path in BATCH_PATHS}
         self.tasks: dict[tuple[str, int], asyncio.Task] = {}
         self.results: list[Result] = []
         self._wake = asyncio.Event()

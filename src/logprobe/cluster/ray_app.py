@@ -107,8 +107,8 @@ class ModelReplica:
     def __init__(self, settings: Settings):
         import torch
 
-        from ..api.admission import Admission
-        from ..api.metrics import EngineMetrics
+        from ..api.serving.admission import Admission
+        from ..api.shell.metrics import EngineMetrics
         from ..config import resolve_models
         from ..engine.engine import Engine
 
@@ -120,7 +120,7 @@ class ModelReplica:
         self.engine.start()
         self.registry = CollectorRegistry()
         self.metrics = EngineMetrics(self.registry, self.engine.stats)
-        self.engine.step_observer, self.engine.failure_observer = self.metrics.observers()
+        self.engine.observe(*self.metrics.observers())
         a = settings.admission
         self.admission = Admission(settings.limits.max_tokens_in_flight, 0, a.max_queue, a.queue_timeout)
         self.replica_id = serve.get_replica_context().replica_id.unique_id

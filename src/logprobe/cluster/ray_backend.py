@@ -87,6 +87,19 @@ class RayBackend:
         self._poller: asyncio.Task | None = None
         self._responses: dict[str, list] = {}
 
+    steps_here = False  # the Backend protocol: the replicas run the steps and report them (collector)
+
+    def observe(self, on_step, on_failure) -> None:
+        """Nothing to observe here: each replica counts its own steps (ReplicaMetrics reads their reports)."""
+
+    def collector(self) -> ReplicaMetrics:
+        return self.metrics_collector
+
+    def generated(self, request_id: str) -> None:
+        """A replica cannot be asked: behind --replicas a request abandoned mid-run is charged its prompt
+        only (docs/serving.md)."""
+        return None
+
     # ---- reports
     def _ensure_polling(self) -> None:
         if self._poller is None or self._poller.done():

@@ -2,7 +2,7 @@
 budget (one budget for the whole application, whatever replica or ingress a request meets) and the
 replicas' latest reports (their stats and engine metrics, for /health and /metrics).
 
-The actor runs the same token bucket as one process (api/admission.py), in the same order: a key's
+The actor runs the same token bucket as one process (api/serving/admission.py), in the same order: a key's
 interactive requests take its budget ahead of its batch lines. `SharedAdmission` is the
 ingress's side of it, with the interface of `Admission`, so the API code does not know the difference.
 """
@@ -15,8 +15,7 @@ import contextlib
 import time
 from dataclasses import dataclass
 
-from ..api.admission import (BATCH_WAIT_S, Hold, TokenBucket, batch_never_fits_budget, budget_headers,
-    budget_wait_too_long, never_fits_budget, over_capacity, waited_too_long)
+from ..api.serving.admission import BATCH_WAIT_S, Hold, TokenBucket, batch_never_fits_budget, budget_headers, budget_wait_too_long, never_fits_budget, over_capacity, waited_too_long
 from ..api.errors import Unavailable
 from ..backend import BATCH, INTERACTIVE
 

@@ -1,4 +1,4 @@
-"""Scoring rows in process: each row a /v1/score request through the API's pipeline (api/pipeline.py)
+"""Scoring rows in process: each row a /v1/score request through the API's pipeline (api/serving/pipeline.py)
 on an engine of this process, so a row passes the same checks as a request and its numbers are the API's.
 
 All rows of a call go to the engine at once (`Pipeline.run_together`), sorted so that rows with the same
@@ -29,7 +29,7 @@ class InProcessScorer:
     """Scores rows on an engine in this process (`logprobe.engine.engine.Engine`, started)."""
 
     def __init__(self, engine, options: ScoreOptions = ScoreOptions()):
-        from ..api.pipeline import Pipeline
+        from ..api.serving.pipeline import Pipeline
         from ..config import Limits
 
         self.engine = engine
@@ -43,13 +43,14 @@ class InProcessScorer:
                    options: ScoreOptions = ScoreOptions()) -> "InProcessScorer":
         """Load `model` (a name `logprobe serve --model` takes; None: the bundled model) and start its
         engine. `close()` stops it."""
-        from ..config import Settings
+        from ..config import SchedulerSettings, Settings
         from ..engine.runners import loader
         from ..engine.engine import Engine
 
         source = loader.resolve_source(model)
-        engine = Engine.from_settings(Settings(model=model, dtype=dtype, device=device), source, source.aliases)
-        engine.scheduler.max_score_batch = PASS_ROWS  # no interactive request shares this engine
+        # no interactive request shares this engine: its passes may hold PASS_ROWS rows
+        engine = Engine.from_settings(Settings(model=model, dtype=dtype, device=device), source, source.aliases,
+                                      scheduling=SchedulerSettings(max_score_batch=PASS_ROWS))
         engine.start()
         scorer = cls(engine, options)
         scorer._owns_engine = True
@@ -66,7 +67,7 @@ class InProcessScorer:
         """Check every row as /v1/score would (the pipeline's checks); a row that cannot be scored gets
         its reason."""
         from ..api.errors import APIError, new_request_id
-        from ..api.routes import SCORE
+        from ..api.registry import SCORE
 
         out = []
         for row in rows:
@@ -96,7 +97,7 @@ class InProcessScorer:
         """Records (see columns.py) of prepared rows, in the given order; `on_rows(rows, tokens)` once
         they are back (one run of the engine)."""
         from ..api.errors import new_request_id
-        from ..api.holding import Call
+        from ..api.serving.holding import Call
 
         todo = sorted((p for p in prepared if p.item is not None),
                       key=lambda p: (p.row.context or "", p.num_tokens))

@@ -24,6 +24,7 @@ import time
 import torch
 
 from ..backend import ModelInfo, RequestAborted, RequestConflict
+from ..config import SchedulerSettings
 from ..tokens import TokenTable
 from .host.captures import capture_finished
 from .contract import Runner
@@ -45,7 +46,8 @@ log = logging.getLogger("logprobe.engine")
 class EngineCore:
     IDLE_WAIT_S = 0.5  # an empty inbox for this long after work is "idle"
 
-    def __init__(self, runner: Runner, info: ModelInfo, table: TokenTable, check_ids: list[int]):
+    def __init__(self, runner: Runner, info: ModelInfo, table: TokenTable, check_ids: list[int],
+                 scheduling: SchedulerSettings = SchedulerSettings()):
         if not isinstance(runner, Runner):
             raise TypeError(f"{type(runner).__name__} does not implement the runner contract (engine/contract.py)")
         self.runner = runner
@@ -53,7 +55,8 @@ class EngineCore:
         self.table = table
         # a runner that prefills in chunks says how many tokens it takes per step beside decoding rows; one
         # that can stop between its blocks lets interactive steps into a batch pass
-        self.scheduler = Scheduler(prefill_chunk_tokens=runner.prefill_chunk_tokens, interleaves=runner.interleaves)
+        self.scheduler = Scheduler(scheduling, prefill_chunk_tokens=runner.prefill_chunk_tokens,
+                                   interleaves=runner.interleaves)
         self.outputs = OutputProcessor(info.context_length)
         self._block_tokens = 0  # padded tokens of an interactive prompt-only pass since its rows last decoded
         self._inbox: queue.SimpleQueue[SequenceGroup | None] = queue.SimpleQueue()

@@ -12,6 +12,7 @@ import contextlib
 import threading
 from collections.abc import AsyncIterator
 
+from ..config import SchedulerSettings
 from ..backend import Delta, GenerationOutput, GenerationRequest, ModelInfo, StreamEnd, finished_without_forward
 from .core import EngineCore
 from .host.heap import trim_heap
@@ -56,7 +57,8 @@ class Engine(EngineCore):
     the asyncio front that requests come through."""
 
     def __init__(self, model, tokenizer, name: str, aliases: list[str] = (), fast: bool | None = None,
-                 max_model_len: int | None = None, kv_cache_positions: int = 256, prefix_cache_mb: int = 256):
+                 max_model_len: int | None = None, kv_cache_positions: int = 256, prefix_cache_mb: int = 256,
+                 scheduling: SchedulerSettings = SchedulerSettings()):
         """`fast`: run the model on logprobe's own batched decode path, the lean runner (default: wherever a
         family in engine/runners/families/ runs it; why not is logged); False keeps transformers' forward with a
         cache per request.
@@ -64,7 +66,8 @@ class Engine(EngineCore):
         option of that name. `kv_cache_positions`: positions per slot the batched KV cache starts with
         (it doubles as sequences grow, up to the context, and returns to this size when idle).
         `prefix_cache_mb`: memory for prompt prefixes' keys and values kept across batches of prompt-only
-        requests (engine/runners/prefix_cache.py; 0 turns it off; the lean runner only)."""
+        requests (engine/runners/prefix_cache.py; 0 turns it off; the lean runner only).
+        `scheduling`: the scheduler's budgets (config.SchedulerSettings)."""
         self.model = model
         self.tokenizer = tokenizer
         self.info = describe_model(model, tokenizer, name, list(aliases))
@@ -89,12 +92,14 @@ class Engine(EngineCore):
         self.info.runner = "lean" if use_fast else "transformers"
         trim_heap()  # hand back what loading and packing freed (the weights' released copies)
         super().__init__(self.runner, self.info, self.table,
-                         check_ids=(tokenizer("The", add_special_tokens=True).input_ids or [0])[:4])
+                         check_ids=(tokenizer("The", add_special_tokens=True).input_ids or [0])[:4],
+                         scheduling=scheduling)
         self._thread: threading.Thread | None = None
         self._running_by_id: dict[str, list[SequenceGroup]] = {}
 
     @classmethod
-    def from_settings(cls, settings, source, aliases: list[str]) -> "Engine":
+    def from_settings(cls, settings, source, aliases: list[str],
+                      scheduling: SchedulerSettings = SchedulerSettings()) -> "Engine":
         """The engine of one served model, as `logprobe serve` and a Ray replica build it: `source`
         (loader.resolve_source) loaded with the settings' dtype, device and quantization, the
         --chat-template if any, and the settings' context and cache sizes (config.Settings)."""
@@ -109,7 +114,8 @@ class Engine(EngineCore):
             except OSError as exc:
                 raise loader.ModelLoadError(f"cannot read --chat-template: {exc.strerror}") from None
         return cls(model, tokenizer, source.name, aliases, max_model_len=settings.max_model_len or None,
-                   kv_cache_positions=settings.kv_cache_positions, prefix_cache_mb=settings.prefix_cache_mb)
+                   kv_cache_positions=settings.kv_cache_positions, prefix_cache_mb=settings.prefix_cache_mb,
+                   scheduling=scheduling)
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -222,6 +228,15 @@ class Engine(EngineCore):
         charged for beside its prompt; at most the step in progress behind)."""
         return sum(len(seq.token_ids) for group in list(self._running_by_id.get(request_id, ()))
                    for seq in group.sequences)
+
+    steps_here = True  # the Backend protocol: this process runs the steps
+
+    def observe(self, on_step, on_failure) -> None:
+        """The app's metrics, called on the engine's thread after each step and each failure."""
+        self.step_observer, self.failure_observer = on_step, on_failure
+
+    def collector(self) -> None:
+        return None  # the app's metrics observe the steps themselves (`observe`)
 
     def stats(self) -> dict:
         return {"in_flight": self.num_in_flight, "steps": self.num_steps,

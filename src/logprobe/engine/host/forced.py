@@ -1,4 +1,4 @@
-"""A `choice` list decided before generation (api/choice_decision.py): each sequence spells the tokens
+"""A `choice` list decided before generation (api/serving/choice_decision.py): each sequence spells the tokens
 of the answer drawn for it, then ends.
 
 The API scores every answer after the prompt, draws one per sequence, and hands the engine a

@@ -45,6 +45,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from ...config import SchedulerSettings
 from .request import SequenceGroup
 from .tree import TreeGroup
 
@@ -77,11 +78,15 @@ class Plan:
 
 
 class Scheduler:
-    def __init__(self, max_running: int = 64, score_batch_tokens: int = 4096, max_score_batch: int = 64,
-                 score_batch_tokens_decoding: int = 512, prefill_tokens: int = 2048, max_prefilling: int = 32,
-                 prefill_chunk_tokens: int | None = None, packed_prefill_tokens: int = 2048,
-                 linger_s: float = 0.02, batch_step_tokens: int = 128, batch_pass_tokens: int = 1024,
+    def __init__(self, settings: SchedulerSettings = SchedulerSettings(), prefill_chunk_tokens: int | None = None,
                  interleaves: bool = False):
+        """`settings`: the budgets (config.py); `prefill_chunk_tokens` and `interleaves`: what the runner
+        does (below)."""
+        max_running, score_batch_tokens = settings.max_running, settings.score_batch_tokens
+        max_score_batch, score_batch_tokens_decoding = settings.max_score_batch, settings.score_batch_tokens_decoding
+        prefill_tokens, max_prefilling = settings.prefill_tokens, settings.max_prefilling
+        packed_prefill_tokens, linger_s = settings.packed_prefill_tokens, settings.linger_s
+        batch_step_tokens, batch_pass_tokens = settings.batch_step_tokens, settings.batch_pass_tokens
         self.max_running = max_running  # groups decoding (or prefilling) at once
         self.score_batch_tokens = score_batch_tokens  # padded tokens in one batched prompt-only pass
         # the same while others decode; where the runner stops between blocks, also the padded tokens of a

@@ -1,0 +1,168 @@
+"""POST /v1/score: the log-likelihood of texts you already have, token by token; no generation.
+
+Context and input are tokenized apart (no special tokens) and concatenated, as evaluation harnesses
+do; with `add_bos` the model's BOS (or, without one, its end-of-text token) goes in front, so the
+input's first token is scored too. Only the input's tokens are scored. The numbers come from the same
+engine path as /v1/completions with `echo`, `logprobs` and `max_tokens: 0`, so they are the same.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ...backend import Constraint, GenerationOutput, GenerationRequest, SamplingParams
+from ...config import Limits
+from ...output.logprobs import TokenNamer, legacy_logprobs
+from ...tokens import TextAssembler
+from ..checks.caps import check_request_caps, check_text_length
+from ..checks.sampling import ResidualRequest
+from ..checks.vocabulary import check_token_ids
+from ..errors import InvalidRequest
+from ..serving.output_blocks import residual_layers, residual_of
+from . import constrained as constrained_scoring
+from . import conversation as chat_scoring
+from . import fields as score_fields
+from . import position_ids
+from .items import ScoreItem
+from .protocol import ScoreBody
+
+
+@dataclass
+class ScoreRequest:
+    model: str
+    inputs: list  # list[str] or list[list[int]]
+    contexts: list[str | None]
+    add_bos: bool
+    top_logprobs: int | None
+    return_tokens_as_token_ids: bool
+    residual: ResidualRequest | None
+    constraint: Constraint | None = None  # score under it (constrained.py)
+    constraint_param: str = "structured_outputs"
+    position_stats: bool = False  # each entry's entropy per position
+    # a conversation instead of inputs (conversation.py): the turns scored, or candidate next turns
+    messages: list[dict] | None = None
+    scored_turns: list[int] = field(default_factory=list)
+    replies: list[str] | None = None
+    include_end_of_turn: bool = True
+    # asked ids (position_ids.py): one tuple for every scored position, or per entry one tuple per position
+    logprob_token_ids: tuple | list = ()
+    conversations: list[list[dict]] | None = None  # several conversations, scored_turns: one turn each
+
+
+def parse(body: dict, limits: Limits) -> ScoreRequest:
+    req = ScoreBody.parse(body, limits)
+    return ScoreRequest(req.model, req.input or [], req.contexts, req.add_bos, req.top_logprobs,
+                        req.return_tokens_as_token_ids, req.output_residual_stream, req.constraint,
+                        req.constraint_param, bool(req.position_stats), req.messages,
+                        score_fields.scored_turns(req) if req.messages is not None or req.conversations is not None
+                        else [], req.replies, req.include_end_of_turn is not False, req.logprob_token_ids,
+                        req.conversations)
+
+
+def tokenize(backend, req: ScoreRequest) -> list[ScoreItem]:
+    chat = req.messages is not None or req.conversations is not None
+    items = chat_scoring.tokenize(backend, req) if chat else _tokenize_inputs(backend, req)
+    position_ids.check(backend, req.logprob_token_ids, items)
+    return items
+
+
+def _tokenize_inputs(backend, req: ScoreRequest) -> list[ScoreItem]:
+    tok, info = backend.tokenizer, backend.info
+    start_id = info.bos_token_id if info.bos_token_id is not None else info.eos_token_id
+    items = []
+    for i, (inp, ctx) in enumerate(zip(req.inputs, req.contexts)):
+        check_text_length(backend, [inp, ctx], "context" if isinstance(ctx, str) and len(ctx) > len(inp) else "input")
+        head = [start_id] if req.add_bos and start_id is not None else []
+        if ctx:
+            head += tok(ctx, add_special_tokens=False).input_ids
+        if isinstance(inp, str):
+            ids = tok(inp, add_special_tokens=False).input_ids
+        else:
+            check_token_ids(inp, info.vocab_size, "input")
+            ids = list(inp)
+            if head == [start_id] and ids and ids[0] == start_id:
+                head = []  # the ids already start with it
+        if not ids:
+            raise InvalidRequest(f"Invalid value for 'input': input {i} has no tokens.", "input")
+        items.append(ScoreItem(head + ids, len(head), inp if isinstance(inp, str) else None))
+    if req.constraint is not None:
+        checks = constrained_scoring.check_inputs(backend, req.constraint, req.constraint_param,
+                                                  [it.token_ids[it.first:] for it in items])
+        for item, check in zip(items, checks):
+            item.constraint_check = check
+    return items
+
+
+def check_caps(backend, req: ScoreRequest, items: list[ScoreItem], limits: Limits) -> None:
+    params = SamplingParams(max_tokens=0, echo=True, logprobs=req.top_logprobs or 0)
+    check_request_caps(backend, [it.token_ids for it in items], params, req.residual, limits,
+                       prompt_param="input", max_tokens_param="input", positions_param="input")
+    if req.constraint is not None:
+        constrained_scoring.check_cap(backend, [it.token_ids for it in items], req.residual is not None, limits)
+
+
+def build_requests(backend, req: ScoreRequest, items: list[ScoreItem], request_id: str) -> list[GenerationRequest]:
+    params = SamplingParams(max_tokens=0, echo=True, logprobs=req.top_logprobs or 0,
+                            residual_layers=residual_layers(backend, req.residual),
+                            prompt_logprobs=-1 if req.constraint is not None else None,
+                            position_stats=req.position_stats)
+    return [GenerationRequest(request_id, it.token_ids, p)
+            for it, p in zip(items, position_ids.params_of(req.logprob_token_ids, items, params))]
+
+
+def format_response(backend, req: ScoreRequest, items: list[ScoreItem], requests: list[GenerationRequest],
+                    outputs: list[GenerationOutput]) -> tuple[dict, None]:
+    namer = TokenNamer(backend.table.strings, req.return_tokens_as_token_ids)
+    data, total = [], 0
+    for index, (item, out) in enumerate(zip(items, outputs)):
+        pc = out.prompt_columns
+        sl = slice(item.first, len(item.token_ids))
+        ids = np.asarray(item.token_ids[sl], dtype=np.int64)
+        asm = TextAssembler(backend.table)
+        for t in ids.tolist():
+            asm.add(t)
+        k = req.top_logprobs or 0
+        shaped = legacy_logprobs(namer, ids, pc.logprobs[sl], pc.top_ids[sl, :k], pc.top_logprobs[sl, :k],
+                                 asm.offsets, first_is_null=item.first == 0)
+        scored = pc.logprobs[sl][1:] if item.first == 0 else pc.logprobs[sl]
+        ranks = pc.ranks[sl][1:] if item.first == 0 else pc.ranks[sl]
+        num = len(scored)
+        total_lp = float(np.sum(scored, dtype=np.float64))
+        mean = total_lp / num if num else None
+        token_ranks = pc.ranks[sl].tolist()
+        if item.first == 0:
+            token_ranks[0] = None
+        turn = {} if item.message_index is None else {"message_index": item.message_index}
+        entry = {"index": index, **turn, "tokens": shaped["tokens"], "token_ids": ids.tolist(),
+                 "token_logprobs": shaped["token_logprobs"], "token_ranks": token_ranks,
+                 "text_offset": shaped["text_offset"]}
+        if req.top_logprobs is not None:
+            entry["top_logprobs"] = shaped["top_logprobs"]
+        entry.update({"logprob": total_lp, "mean_logprob": mean,
+                      "perplexity": _perplexity(mean),
+                      "num_tokens": num, "is_greedy": bool(np.all(ranks == 1))})
+        if req.constraint is not None:
+            entry["constraint"] = constrained_scoring.block(item.constraint_check, pc.full, ids, item.first)
+        if req.position_stats:
+            entropy = pc.extras.entropy[sl].astype(np.float64).tolist()
+            if item.first == 0:
+                entropy[0] = None  # nothing predicts the first token
+            entry["position_stats"] = {"entropy": entropy}
+        if req.logprob_token_ids:
+            entry["logprob_token_ids"] = position_ids.block(req, index, pc.extras, sl, item.first == 0)
+        if req.residual is not None:  # the input's tokens, in the order of the lists above
+            entry["residual_stream"] = residual_of(backend, req.residual, out.choices[0], sl)
+        data.append(entry)
+        total += len(item.token_ids)
+    return {"object": "list", "model": backend.info.name, "data": data,
+            "usage": {"prompt_tokens": total, "total_tokens": total}}, None
+
+
+def _perplexity(mean: float | None) -> float | None:
+    """exp(-mean); null where there is no token to average or it overflows a double."""
+    if mean is None or -mean > 709.0:
+        return None
+    return math.exp(-mean)

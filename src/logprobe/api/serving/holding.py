@@ -1,0 +1,243 @@
+"""Holding and running admitted requests: `admit` takes a request's hold (api/serving/admission.py decides when
+it fits), `run_held_jobs` runs the requests while the caller is there and within the time-out,
+`stream_held` streams them, and `release` gives the hold back and records the usage, however the
+request ends (finished, failed, timed out, caller gone, cancelled by shutdown). Each is given what it
+needs (the admission, the time-out, the `Call`): nothing is read from an HTTP request."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from starlette.responses import StreamingResponse
+
+from ...backend import INTERACTIVE, BackendUnavailable, GenerationOutput, GenerationRequest, RequestConflict
+from ..errors import InvalidRequest, Timeout, Unavailable
+from ..shell.sse import stream_sse
+
+
+class BackendLost(Unavailable):
+    """503 `unavailable`: the backend lost the request (its replica died); nothing is charged for it."""
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its answer was ready (logged 499)."""
+
+
+async def never_gone() -> None:
+    """A caller that never leaves by itself (a batch line, a dataset job): cancelling its task stops it."""
+    await asyncio.Event().wait()
+
+
+@dataclass
+class Call:
+    """Who asks, as far as holding and running a request needs to know: the request id, the key whose
+    budget is charged, the priority (`interactive`, or `batch` for a batch line), `gone` (returns when
+    the caller has left: an HTTP client's disconnect), and `notes`, where the hold and the usage are
+    written for whoever logs the request (the HTTP gate's access log)."""
+
+    request_id: str
+    key_id: str = "anonymous"
+    priority: str = INTERACTIVE
+    gone: Callable[[], Awaitable[None]] = never_gone
+    notes: dict = field(default_factory=dict)
+
+
+def generated_so_far(jobs: list[tuple]) -> int:
+    """Tokens generated so far for the requests of the (backend, requests) jobs still running, from the
+    backends that can tell (`Backend.generated`: the in-process engine; a Ray Serve replica cannot be
+    asked, so behind `--replicas` an abandoned plain request is charged its prompt only, as
+    docs/serving.md says)."""
+    counts = (backend.generated(rid) for backend, requests in jobs
+              for rid in dict.fromkeys(r.request_id for r in requests))
+    return sum(count for count in counts if count is not None)
+
+
+async def run_jobs(jobs: list[tuple]) -> list[list[GenerationOutput]]:
+    """Run each (backend, requests) job at the same time; when one fails or the whole is cancelled, the
+    others are cancelled too (their backends abort them), and waited for."""
+    tasks = [asyncio.ensure_future(backend.run(requests)) for backend, requests in jobs]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def run_jobs_while_connected(call: Call, jobs: list[tuple], timeout: float | None,
+                                   on_stop: Callable[[int], None] | None = None) -> list[list[GenerationOutput]]:
+    """Run each (backend, requests) job, on one or more backends at the same time; if the client
+    disconnects first, abort them (the backend drops them before their next step) instead of finishing
+    work nobody will read (ClientGone); the same, with 504, when they run past the request time-out. A
+    backend that lost the requests (a replica died) answers 503. The task running this cancelled (server
+    shutdown, a batch line stopped) aborts them too, and the cancellation goes on as it came. However a
+    run is stopped, `on_stop` is first told the tokens generated for it until then."""
+    single = len(jobs) == 1  # one backend: its own run, without a wrapping task
+    run = asyncio.ensure_future(jobs[0][0].run(jobs[0][1]) if single else run_jobs(jobs))
+
+    async def stop() -> None:
+        if on_stop is not None:
+            on_stop(generated_so_far(jobs))
+        run.cancel()  # the backend aborts the requests
+        await asyncio.gather(run, return_exceptions=True)
+
+    watcher = asyncio.ensure_future(call.gone())
+    try:
+        await asyncio.wait({run, watcher}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # cancelled while it ran: the cancellation, not an answer
+        watcher.cancel()
+        if not run.done():
+            await stop()
+        raise
+    watcher.cancel()
+    if not run.done():
+        await stop()
+        if watcher.done() and not watcher.cancelled():
+            raise ClientGone()
+        # asyncio.wait returned with neither done: only the time-out ends it so (timeout is a number here)
+        raise Timeout(f"The request ran longer than this server's limit of {timeout:g} s "
+                      "(request_timeout) and was stopped.")
+    try:
+        return [run.result()] if single else run.result()
+    except BackendUnavailable as exc:
+        raise BackendLost(str(exc) or "The model replica serving this request went away; try again.") from None
+    except RequestConflict as exc:  # its own fields leave nothing to generate: the request's mistake
+        raise InvalidRequest(exc.message, exc.param) from None
+
+
+async def admit(admission, call: Call, requests: list[GenerationRequest]):
+    """Hold the request's tokens (waiting in the queue if need be); see admission.py. A client that
+    leaves while its request waits takes it out of the queue at once (ClientGone: logged 499), so it
+    blocks nobody behind it. A batch line's call has priority "batch": its hold waits in the batch
+    queue, and its requests carry the priority to the engine's scheduler."""
+    priority = call.priority
+    for r in requests:
+        r.priority = priority
+    tokens = sum(r.held_tokens for r in requests)
+    acquiring = asyncio.ensure_future(admission.acquire(call.key_id, tokens, priority=priority))
+    watcher = None
+    try:
+        await asyncio.sleep(0)  # acquire runs to its first wait: a request admitted at once is done here
+        if not acquiring.done():
+            watcher = asyncio.ensure_future(call.gone())
+            await asyncio.wait({acquiring, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not acquiring.done():
+                raise ClientGone()
+    except BaseException:  # the client left, or this handler was cancelled (shutdown): no hold stays
+        if acquiring.done():
+            if not acquiring.cancelled() and acquiring.exception() is None:
+                admission.release(acquiring.result(), used=0)
+        else:
+            acquiring.cancel()  # acquire takes the waiter out (and gives back a hold made meanwhile)
+            await asyncio.gather(acquiring, return_exceptions=True)
+        raise
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+    hold = acquiring.result()
+    call.notes["hold"] = hold
+    return hold
+
+
+def release(admission, call: Call, hold, requests: list[GenerationRequest], completion: int,
+            lost: bool = False) -> None:
+    """The request is over (done, failed, timed out or abandoned): give back its hold, and record its
+    usage for the access log and the metrics. The key's budget is charged the prompt tokens (x n) and
+    the tokens generated, except for a request the backend lost (its replica died): only what it sent."""
+    prompt = sum(r.num_prompt_tokens for r in requests)
+    before = call.notes.get("usage", (0, 0))  # a choice list's scoring ran first, under a hold of its own
+    call.notes["usage"] = (before[0] + prompt, before[1] + completion)
+    used = completion if lost else sum(r.num_prompt_tokens * r.params.n for r in requests) + completion
+    admission.release(hold, used=used)
+
+
+class HeldStream(StreamingResponse):
+    """A streamed answer that gives back its hold when it ends, however it ends (finished, client gone,
+    cancelled by shutdown), even if its body was never iterated."""
+
+    def __init__(self, content, on_close, **kwargs):
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            close = getattr(self.body_iterator, "aclose", None)
+            if close is not None:
+                await close()
+            self.on_close()
+
+
+async def run_held_jobs(admission, call: Call, jobs: list[tuple], timeout: float | None):
+    """Hold the tokens of every (backend, requests) job at once (one hold: the capacity counts them
+    all), run the jobs, give the hold back. Returns the hold and each job's outputs."""
+    requests = [r for _, job_requests in jobs for r in job_requests]
+    hold = await admit(admission, call, requests)
+    results, lost, generated = None, False, 0
+
+    def stopped(count: int) -> None:  # client gone, time-out or cancellation: what ran is charged too
+        nonlocal generated
+        generated = count
+
+    try:
+        results = await run_jobs_while_connected(call, jobs, timeout, stopped)
+        generated = sum(o.num_generated for outputs in results for o in outputs)
+    except BackendLost:
+        lost = True
+        raise
+    finally:
+        release(admission, call, hold, requests, generated, lost)
+    return hold, results
+
+
+async def stream_held(admission, call: Call, backend, requests, hold, k: int, format_deltas, final_chunks,
+                      timeout: float | None, **framing) -> StreamingResponse:
+    """The streamed answer of requests already admitted (`hold`): SSE chunks as the backend releases
+    tokens; the hold is given back, and the usage recorded, when the stream ends however it ends.
+
+    The status goes out with the first chunk, not before: until the first token is picked an error is
+    still the request's own status (an impossible constraint at the first token: 400, a lost replica:
+    503), not a 200 followed by an error event. A client that leaves meanwhile aborts the requests.
+    `framing`: stream_sse's `error_event` and `done`, for a route whose stream ends its own way."""
+    usage = {"completion": 0, "lost": False}
+
+    def on_end(end, released, lost):
+        usage["completion"] = sum(end.num_generated) if end is not None else released
+        usage["lost"] = lost
+
+    def close():
+        release(admission, call, hold, requests, usage["completion"], usage["lost"])
+
+    gen = stream_sse(backend, requests, k, call.request_id, format_deltas, final_chunks, timeout=timeout,
+                     on_end=on_end, **framing)
+    first = asyncio.ensure_future(anext(gen))
+    watcher = asyncio.ensure_future(call.gone())
+    try:
+        await asyncio.wait({first, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not first.done():
+            first.cancel()
+            await asyncio.gather(first, return_exceptions=True)
+            raise ClientGone()
+        head = first.result()  # the first chunk, or the error before it
+    except BaseException:
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        await gen.aclose()
+        close()
+        raise
+    finally:
+        watcher.cancel()
+
+    async def body():
+        try:
+            yield head
+            async for chunk in gen:
+                yield chunk
+        finally:  # however the response ends: the backend's stream is closed (aborting what still runs)
+            await gen.aclose()
+
+    return HeldStream(body(), close, media_type="text/event-stream",
+                      headers={"cache-control": "no-cache", "x-accel-buffering": "no", **hold.headers})
