@@ -1,4 +1,4 @@
-"""A `Backend` (src/logprobe/backend.py) in numpy only, for the API tests, and a tiny tokenizer.
+"""A `Backend` (src/logprobe/backend/) in numpy only, for the API tests, and a tiny tokenizer.
 
 `FakeBackend` fakes the model and nothing else. Its "model" is a deterministic function of the token
 ids, not a network: the log probabilities after a sequence are the log-softmax of a pseudo-random vector

@@ -1,4 +1,4 @@
-"""The seam between the API and the model (src/logprobe/backend.py): the API imports and serves without
+"""The seam between the API and the model (src/logprobe/backend/): the API imports and serves without
 torch, its records cross a process boundary, both backends fit the protocol, what the API hands over,
 and how it answers when a backend fails or its client goes away."""
 

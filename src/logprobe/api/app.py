@@ -185,7 +185,7 @@ def _request_id(request: Request) -> str:
 
 def create_app(backend, limits: Limits | None = None, admission: AdmissionSettings | None = None,
                api_keys=(), admission_control=None) -> FastAPI:
-    """Build the ASGI app around a backend (backend.py: a started `Engine`, or replicas), or around None
+    """Build the ASGI app around a backend (backend/: a started `Engine`, or replicas), or around None
     while the model loads (API paths answer 503 until `attach_backend`). `admission_control` replaces the
     one-process hold (api/serving/admission.py) with another of its interface (cluster/state.py). What is
     installed on top of it (the Batch API: server.py) adds its start and stop to `app.state.services`."""

@@ -3,7 +3,7 @@
 The application has two deployments:
 
 - `ModelReplica` (N of them, or an autoscaled range): each loads the model, runs an `Engine` and holds
-  its own capacity (`max_tokens_in_flight`) around it. It speaks the backend seam (backend.py): it
+  its own capacity (`max_tokens_in_flight`) around it. It speaks the backend seam (backend/): it
   takes `GenerationRequest`s and returns `GenerationOutput`s, or streams `Delta`s, all plain picklable
   records. Every second it reports its stats and engine metrics to the `ClusterState` actor.
 - `Ingress` (one by default): the logprobe HTTP app itself (api/app.py: checks, tokenization, formats,

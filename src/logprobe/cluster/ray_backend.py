@@ -2,7 +2,7 @@
 to a ModelReplica through a Serve handle (Serve routes it to a replica with room) and reads the
 replicas' reports from the ClusterState actor for /health and /metrics (`ReplicaMetrics`).
 
-What crosses the handle is plain picklable records (backend.py); an API error raised on a replica comes
+What crosses the handle is plain picklable records (backend/); an API error raised on a replica comes
 back as a `Refusal`, and a replica that died under a request ends it with `BackendUnavailable` (503
 `unavailable`) rather than Ray's exception.
 """
@@ -75,7 +75,7 @@ class ReplicaMetrics:
 
 
 class RayBackend:
-    """The Backend protocol (backend.py) over a Serve handle to the ModelReplica deployment."""
+    """The Backend protocol (backend/protocol.py) over a Serve handle to the ModelReplica deployment."""
 
     def __init__(self, handle, state, info, tokenizer, table, target: str):
         self.handle = handle

@@ -1,4 +1,4 @@
-"""The engine: the one owner of the model, and the in-process `Backend` (backend.py).
+"""The engine: the one owner of the model, and the in-process `Backend` (backend/).
 
 A single thread runs the step loop (core.py: schedule, run, pick, record), so no two requests ever run
 the model at once. The asyncio side here (`run`, `stream`) turns `GenerationRequest`s into
@@ -175,7 +175,7 @@ class Engine(EngineCore):
             raise
         return groups
 
-    # ---- the Backend protocol (backend.py) -------------------------------------------------
+    # ---- the Backend protocol (backend/) -------------------------------------------------
     async def run(self, requests: list[GenerationRequest]) -> list[GenerationOutput]:
         """Run requests to the end; one that needs no forward pass is answered without queueing.
         Cancelling the awaiting task aborts them."""

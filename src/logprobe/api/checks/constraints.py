@@ -1,5 +1,5 @@
 """The constraint fields (docs/api.md, "Constrained decoding"): OpenAI's `response_format` and vLLM's
-`structured_outputs`, each checked into a `Constraint` (backend.py) the engine compiles with llguidance.
+`structured_outputs`, each checked into a `Constraint` (backend/) the engine compiles with llguidance.
 
 A schema, regex or grammar that does not compile is refused here, while the body is parsed, with the
 param that holds it (`response_format.json_schema.schema`, `structured_outputs.regex`, ...): llguidance

@@ -1,4 +1,4 @@
-"""Grammars for constrained decoding, with llguidance: a `Constraint` (backend.py) compiled once per
+"""Grammars for constrained decoding, with llguidance: a `Constraint` (backend/) compiled once per
 (model, constraint), then one `GrammarState` per sequence that says which tokens may come next.
 
 llguidance walks a trie of the model's token bytes, so its tokenizer is built from the `TokenTable`

@@ -1,6 +1,6 @@
 """What the engine keeps of a request while it runs: its sequences, their columns and random streams.
 
-The engine turns each `GenerationRequest` (backend.py) into a `SequenceGroup` (one prompt and its `n`
+The engine turns each `GenerationRequest` (backend/) into a `SequenceGroup` (one prompt and its `n`
 choices), fills its numpy columns step by step (output_processor.py), and hands back a
 `GenerationOutput`. No torch here: the engine's test double (tests/fake_backend.py) keeps the same state.
 """

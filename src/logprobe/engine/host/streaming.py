@@ -1,5 +1,5 @@
 """The engine's side of streaming: after each step of a group, `Releaser`s (one per choice) decide, on
-the engine thread, which new tokens can go out as `Delta`s (backend.py).
+the engine thread, which new tokens can go out as `Delta`s (backend/).
 
 A token is released with the text it completes. While stop strings are set, the last `longest stop - 1`
 characters are held back (a stop string may still be forming), so the streamed text and tokens always

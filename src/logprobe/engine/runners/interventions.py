@@ -2,7 +2,7 @@
 stream, applied to its own rows of every pass that runs its tokens (prefill, each decode step, and the
 passes that read its activations or logit lens), and to no other request's rows.
 
-The API hands over `Intervention`s as it validated them (backend.py). Before a group's first pass the
+The API hands over `Intervention`s as it validated them (backend/). Before a group's first pass the
 engine resolves them into `Edits`: positions made absolute (negative ones count from the prompt's end),
 vectors on the device, and each patch's vector read from a pass over its source prompt. The runners
 call `Edits.apply` where they would capture the residual stream: on the embeddings (layer 0) and on

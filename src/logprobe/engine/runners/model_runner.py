@@ -198,7 +198,6 @@ class ModelRunner:
         return next(self.model.parameters()).dtype
 
     # ---- the runner contract (contract.py; the lean runner implements the same) ----------------
-    supports_batched_decode = False
     prefill_chunk_tokens = None  # a prompt is prefilled whole
     interleaves = False  # a prompt-only pass runs whole
 

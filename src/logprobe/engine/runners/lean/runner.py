@@ -44,7 +44,6 @@ class LeanRunner:
     """Runs a model a family claims (families/) with its own weights: the engine's step loop calls it as
     it calls `runner.ModelRunner`, with every running row of every request in one decode pass."""
 
-    supports_batched_decode = True
     PREFILL_CHUNK = 512  # prompt tokens per engine step while other requests are decoding
     interleaves = True  # a batch prompt-only pass stops between its blocks for interactive steps
     INT4_MAX_ROWS = 8  # decode steps of up to this many rows read the 4-bit weights (when loaded)
