@@ -59,7 +59,7 @@ def serve(settings: Settings) -> int:
 
     def drain() -> None:
         admission = app.state.admission
-        loop = getattr(app.state, "loop", None)
+        loop = app.state.loop
         if loop is not None:
             loop.call_soon_threadsafe(admission.drain)
         deadline = time.monotonic() + settings.admission.drain_timeout

@@ -227,6 +227,9 @@ def create_app(backend, limits: Limits | None = None, admission: AdmissionSettin
     app.state.admission.on_queue_time = app.state.metrics.queue_seconds.observe
     app.state.metrics.watch(app.state.admission)
     app.state.services = []  # (start(app), stop(app)) pairs the lifespan runs
+    app.state.loop = None  # the server's event loop, once the lifespan starts
+    # the Batch API's, where batch/runner.py's `install` adds it (None: no Batch API)
+    app.state.make_batch_runner = app.state.batch_runner = None
     app.state.pipeline = Pipeline(app.state.limits, app.state.admission,
                                   lambda: app.state.settings.request_timeout or None)
     if backend is not None:

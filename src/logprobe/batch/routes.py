@@ -138,7 +138,7 @@ async def create_batch(request: Request):
                                            request.app.state.batch_settings.max_batch_lines)
     row = await run_in_threadpool(store.add_batch, owner, body.endpoint, source["id"], model, body.metadata,
                                   lines, WINDOW_S)
-    runner = getattr(request.app.state, "batch_runner", None)
+    runner = request.app.state.batch_runner
     if runner is not None:
         runner.wake()
     return json_response(batch_object(row))
@@ -175,7 +175,7 @@ async def cancel_batch(request: Request, batch_id: str):
     if not moved and row["status"] not in ("cancelling", "cancelled"):
         raise InvalidRequest(f"The batch is {row['status']}: only a validating or in-progress batch can be "
                              "cancelled.", "batch_id", status=409, code="conflict")
-    runner = getattr(request.app.state, "batch_runner", None)
+    runner = request.app.state.batch_runner
     if runner is not None:
         runner.wake()
     return json_response(batch_object(await own_batch(request, batch_id)))

@@ -272,13 +272,13 @@ def install(app, settings, clock=time.time) -> None:
 
 
 async def start_runner(app) -> None:
-    make = getattr(app.state, "make_batch_runner", None)
+    make = app.state.make_batch_runner
     if make is not None:
         app.state.batch_runner = make()
         app.state.batch_runner.start()
 
 
 async def stop_runner(app) -> None:
-    runner = getattr(app.state, "batch_runner", None)
+    runner = app.state.batch_runner
     if runner is not None:
         await runner.stop()
