@@ -1,4 +1,4 @@
-"""The request models (api/schemas): one declaration per body gives both the checks, with the contract's
+"""The request models (api/<endpoint>/protocol.py, api/checks/): one declaration per body gives both the checks, with the contract's
 messages, and the OpenAPI schema. These run the models without a server."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """`interventions` (docs/api.md, section 2.4): each item's parsing (types, ops, vectors) before the
-model is known (the field itself and `return_unmodified` are declared in schemas/sampling.py), then
+model is known (the field itself and `return_unmodified` are declared in checks/sampling.py), then
 their checks against the model and the tokenized prompts (layers, vector length, positions, patch
 sources) before anything is queued."""
 

@@ -1,6 +1,6 @@
 """POST /v1/completions: request checks, the hand-off to the engine, and the response.
 
-The steps, run in order by pipeline.serve: parse (field types and values, 400; schemas.CompletionBody)
+The steps, run in order by pipeline.serve: parse (field types and values, 400; protocol.CompletionBody)
 -> model (404) -> tokenize -> caps and context (400) -> build_requests -> the hold and the engine ->
 format_response (or stream_formatters). Nothing reaches the engine's queue before every check passed.
 """

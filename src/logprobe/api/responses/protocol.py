@@ -208,7 +208,7 @@ def _text_part(part, where: str) -> str:
 
 
 def _text_format(spec) -> Constraint | None:
-    """OpenAI's `text.format` -> a Constraint, as response_format is for chat (schemas/constraints.py)."""
+    """OpenAI's `text.format` -> a Constraint, as response_format is for chat (checks/constraints.py)."""
     name = "text.format"
     if spec is None:
         return None
