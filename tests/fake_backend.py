@@ -608,7 +608,8 @@ class FakeBackend:
                 await asyncio.sleep(self.step_delay)
             record.finished = True
             yield StreamEnd([g.num_prompt_tokens for g in groups],
-                            [sum(len(s.token_ids) for s in g.sequences) for g in groups])
+                            [sum(len(s.token_ids) for s in g.sequences) for g in groups],
+                            [g.num_cached_tokens for g in groups])
         finally:
             record.closed = True
             self.in_flight -= len(groups)

@@ -154,16 +154,21 @@ def test_prompt_only_and_generation_requests_share_the_cache(engines, reference_
     passes = counting(cached, monkeypatch)
     context = prompt(40, salt=4)
     scored = dict(max_tokens=0, prompt_logprobs=2)
-    run(cached, context + [77], **scored)
+    assert run(cached, context + [77], **scored).num_cached_tokens == 0  # the cache was empty
     passes.clear()
     gen = run(cached, context + [88, 99], max_tokens=4, logprobs=1, temperature=0)
     assert passes[0] == len(context) + 2 - 32
-    same_tokens(gen, run(uncached, context + [88, 99], max_tokens=4, logprobs=1, temperature=0))
+    # usage's cached_tokens: the prompt tokens no pass ran
+    assert gen.num_cached_tokens == gen.output().num_cached_tokens == 32
+    alone = run(uncached, context + [88, 99], max_tokens=4, logprobs=1, temperature=0)
+    same_tokens(gen, alone)
+    assert alone.num_cached_tokens == 0
     texts = [context + [88, 99] + gen.sequences[0].token_ids[:2] + [5], context + [1234, 5]]
     passes.clear()
     groups = drive(cached, [SequenceGroup(f"s{i}", t, SamplingParams(**scored), cached.table)
                             for i, t in enumerate(texts)])
     assert sum(passes) < sum(len(t) for t in texts)
+    assert all(g.num_cached_tokens % BLOCK == 0 and g.num_cached_tokens < len(t) for g, t in zip(groups, texts))
     for text, group in zip(texts, groups):
         same_columns(group.prompt_columns, run(uncached, text, **scored).prompt_columns)
         check_reference(reference, text, group.prompt_columns)

@@ -127,6 +127,8 @@ class GenerationOutput:
     prompt_columns: PromptColumns | None  # when the request asked for prompt log probabilities
     choices: list[ChoiceOutput]
     tree: TokenTree | None = None  # a tree request's answer (then `choices` is empty)
+    # prompt tokens served from the prefix cache, not computed (usage's prompt_tokens_details.cached_tokens)
+    num_cached_tokens: int = 0
 
     @property
     def num_generated(self) -> int:
@@ -165,6 +167,7 @@ class StreamEnd:
 
     num_prompt_tokens: list[int]
     num_generated: list[int]
+    num_cached_tokens: list[int] | None = None  # per request, as GenerationOutput's (None: 0 each)
 
 
 def finished_without_forward(request: GenerationRequest) -> GenerationOutput:

@@ -42,6 +42,10 @@ class Runner(Protocol):
     def prefill_progress(self, group: SequenceGroup) -> int:
         """Prompt tokens of the group already run (a kept prefix included)."""
 
+    def cached_tokens(self, group: SequenceGroup) -> int:
+        """Tokens of the group's prompt whose keys and values the runner took from its prefix cache
+        instead of computing them (0 for a runner without one); read as the prompt finishes."""
+
     def expand(self, group: SequenceGroup, rows: int) -> None:
         """The prompt is done and `rows` choices go on decoding: each gets its rows of the KV cache."""
 

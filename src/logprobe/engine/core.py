@@ -246,6 +246,7 @@ class EngineCore:
                 self._per_request(chunk.group, self._prefilled, logprob_rows)
 
     def _prefilled(self, group: SequenceGroup, logprob_rows: torch.Tensor) -> None:
+        group.num_cached_tokens = self.runner.cached_tokens(group)
         if group.params.max_tokens == 0:
             self.outputs.finish_prompt_only(group)
         else:
@@ -267,6 +268,7 @@ class EngineCore:
         else:
             self.runner.prefill_batch(groups)
         for group in groups:
+            group.num_cached_tokens = self.runner.cached_tokens(group)
             self.outputs.finish_prompt_only(group)
             self._per_request(group, self._after_step)
 

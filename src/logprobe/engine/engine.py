@@ -208,7 +208,8 @@ class Engine(EngineCore):
                         raise done.exception()
                     break
                 yield StreamEnd([g.num_prompt_tokens for g in groups],
-                                [sum(len(s.token_ids) for s in g.sequences) for g in groups])
+                                [sum(len(s.token_ids) for s in g.sequences) for g in groups],
+                                [g.num_cached_tokens for g in groups])
             finally:
                 if getter is not None and not getter.done():
                     getter.cancel()

@@ -27,12 +27,14 @@ from ..errors import InvalidRequest
 from ..serving import choice_decision
 from ..serving.output_blocks import (
     Parts,
+    cached_of,
     instrument_blocks,
     lens_of,
     prompt_logprobs_parts,
     residual_layers,
     residual_of,
     unmodified_of,
+    usage_block,
 )
 from ..shell.sse import sse
 from .protocol import ChatBody
@@ -200,8 +202,7 @@ def format_response(backend, req: ChatRequest, ids: list[int], requests: list[Ge
     prompt_tokens = out.num_prompt_tokens + choice_decision.scored_tokens(requests)
     body = {"id": "chatcmpl-" + secrets.token_hex(8), "object": "chat.completion", "created": int(time.time()),
            "model": backend.info.name, "choices": choices,
-           "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                     "total_tokens": prompt_tokens + completion_tokens}}
+           "usage": usage_block(prompt_tokens, completion_tokens, out.num_cached_tokens)}
     # Always present, null unless asked (the contract; vLLM's clients read it unconditionally)
     body["prompt_logprobs"] = None
     if params.prompt_logprobs is not None:
@@ -252,7 +253,6 @@ def stream_formatters(backend, req: ChatRequest, ids: list[int], requests: list[
             return []
         prompt = end.num_prompt_tokens[0] + choice_decision.scored_tokens(requests)
         completion = end.num_generated[0]
-        return [sse({**head, "choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
-                                                      "total_tokens": prompt + completion}})]
+        return [sse({**head, "choices": [], "usage": usage_block(prompt, completion, cached_of(end))})]
 
     return format_deltas, final_chunks

@@ -27,12 +27,14 @@ from ..errors import InvalidRequest
 from ..serving import choice_decision
 from ..serving.output_blocks import (
     Parts,
+    cached_of,
     instrument_blocks,
     lens_of,
     prompt_logprobs_parts,
     residual_layers,
     residual_of,
     unmodified_of,
+    usage_block,
 )
 from ..shell.sse import sse
 from .protocol import CompletionBody
@@ -187,8 +189,7 @@ def format_response(backend, req: CompletionRequest, prompts: list[Prompt], requ
         "created": int(time.time()),
         "model": backend.info.name,
         "choices": choices,
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_tokens + completion_tokens},
+        "usage": usage_block(prompt_tokens, completion_tokens, sum(out.num_cached_tokens for out in outputs)),
     }, parts
 
 
@@ -267,8 +268,6 @@ def stream_formatters(backend, req: CompletionRequest, prompts: list[Prompt], re
             return []
         prompt_tokens = sum(end.num_prompt_tokens) + choice_decision.scored_tokens(requests)
         completion_tokens = sum(end.num_generated)
-        return [sse({**head, "choices": [], "usage": {
-            "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}})]
+        return [sse({**head, "choices": [], "usage": usage_block(prompt_tokens, completion_tokens, cached_of(end))})]
 
     return format_deltas, final_chunks

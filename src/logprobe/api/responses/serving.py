@@ -7,8 +7,8 @@ Choices made where OpenAI's reference is silent or cannot apply (docs/api.md, 3.
 system message in front of the input; a `developer` message is read as `system`; `max_output_tokens`
 defaults to the rest of the context and takes any value from 1 (OpenAI asks for at least 16; vLLM does
 not); a reply cut by `max_output_tokens` (or the context) is `incomplete`, with `incomplete_details.reason`
-`max_output_tokens`, as OpenAI's; `usage.input_tokens_details.cached_tokens` is 0 (the prefix cache's
-hits are not counted per request); `reasoning_tokens` is 0 (no reasoning items).
+`max_output_tokens`, as OpenAI's; `usage.input_tokens_details.cached_tokens` counts the input tokens the
+prefix cache held; `reasoning_tokens` is 0 (no reasoning items).
 """
 
 from __future__ import annotations
@@ -74,8 +74,10 @@ def response_object(backend, req: ResponsesRequest, response_id: str, created_at
             "tools": [], "truncation": "disabled", "usage": usage, **req.echo}
 
 
-def usage_of(num_input: int, num_output: int) -> dict:
-    return {"input_tokens": num_input, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": num_output,
+def usage_of(num_input: int, num_output: int, num_cached: int) -> dict:
+    """OpenAI's usage of a response: `input_tokens_details.cached_tokens` counts the input tokens the prefix
+    cache held, so no pass computed them."""
+    return {"input_tokens": num_input, "input_tokens_details": {"cached_tokens": num_cached}, "output_tokens": num_output,
             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": num_input + num_output}
 
 
@@ -106,4 +108,4 @@ def format_response(backend, req: ResponsesRequest, ids: list[int], requests: li
     response_id, message_id = new_ids()
     output = [output_message(message_id, status, [output_text(seq.text, logprobs)])]
     return response_object(backend, req, response_id, int(time.time()), status, output,
-                           usage_of(out.num_prompt_tokens, seq.num_generated)), None
+                           usage_of(out.num_prompt_tokens, seq.num_generated, out.num_cached_tokens)), None

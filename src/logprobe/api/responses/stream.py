@@ -22,6 +22,7 @@ from ...backend import Delta, GenerationRequest, StreamEnd
 from ...output.logprobs import TokenNamer
 from ..chat import serving as chat
 from ..errors import APIError
+from ..serving.output_blocks import cached_of
 from .serving import ResponsesRequest, new_ids, output_message, output_text, response_object, status_of, usage_of
 
 
@@ -91,13 +92,13 @@ class ResponseEvents:
         chunks = [] if self.started else self.opening()
         text = "".join(self.text)
         status = status_of(self.finish_reason)
-        num_input, num_output = self.num_input, self.num_output
+        num_input, num_output, num_cached = self.num_input, self.num_output, 0
         if end is not None:
-            num_input, num_output = end.num_prompt_tokens[0], end.num_generated[0]
+            num_input, num_output, num_cached = end.num_prompt_tokens[0], end.num_generated[0], cached_of(end)
         part = output_text(text, self.logprobs)
         item = output_message(self.message_id, status, [part])
         response = response_object(self.backend, self.req, self.response_id, self.created_at, status, [item],
-                                   usage_of(num_input, num_output))
+                                   usage_of(num_input, num_output, num_cached))
         chunks += [self.event("response.output_text.done", **self.where(), text=text,
                               logprobs=short_entries(self.logprobs)),
                    self.event("response.content_part.done", **self.where(), part=part),

@@ -142,3 +142,16 @@ def residual_of(backend, residual: ResidualRequest | None, seq, rows: slice = sl
         return None
     return residual_payload(seq.residual, residual.layers, backend.info.num_layers, residual.dtype,
                             residual.encoding, rows)
+
+
+def usage_block(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    """A completion's or a chat completion's `usage`, with OpenAI's `prompt_tokens_details.cached_tokens`:
+    the prompt tokens the prefix cache held, so no pass computed them (counted in `prompt_tokens` too)."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def cached_of(end) -> int:
+    """The cached prompt tokens of a stream's requests, from its `StreamEnd`."""
+    return sum(end.num_cached_tokens or ())

@@ -102,6 +102,9 @@ class SequenceGroup:
         self.prompt_columns: PromptColumns | None = None
         self.edits = None  # its interventions, resolved before its first pass (interventions.py)
         self.num_computed_tokens = 0  # prompt tokens prefilled so far (the scheduler counts them)
+        # prompt tokens whose keys and values came from the prefix cache instead of a pass (the runner
+        # says how many as the prompt finishes: usage's cached_tokens)
+        self.num_cached_tokens = 0
         self.active_rows: list[int] = []  # sequence index of each row of the KV cache batch
         self.is_aborted = False
         self.error: BaseException | None = None
@@ -143,7 +146,8 @@ class SequenceGroup:
     def output(self) -> GenerationOutput:
         k = self.params.logprobs or 0
         return GenerationOutput(self.request_id, self.num_prompt_tokens, self.prompt_columns,
-                                [seq.output(k, self.params) for seq in self.sequences])
+                                [seq.output(k, self.params) for seq in self.sequences],
+                                num_cached_tokens=self.num_cached_tokens)
 
 
 class RowLog:

@@ -245,6 +245,10 @@ class ModelRunner:
         """Prompt tokens of the group already prefilled (this runner prefills a prompt in one go)."""
         return 0
 
+    def cached_tokens(self, group: SequenceGroup) -> int:
+        """None: this runner computes every prompt token (it keeps no prefix cache)."""
+        return 0
+
     def decode_groups(self, groups: list[SequenceGroup]) -> list[torch.Tensor]:
         """One decode step for every active row of these groups: [rows, V] per group."""
         return [self.decode(g, [g.sequences[i].token_ids[-1] for i in g.active_rows]) for g in groups]

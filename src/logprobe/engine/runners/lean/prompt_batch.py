@@ -63,6 +63,9 @@ class PromptBatches:
                 key = (length, tuple(groups[i].prompt_ids[:length]))
                 kept.setdefault(key, (length, [], (keys, values, hidden)))[1].append(i)
         clusters += kept.values()
+        for i, (length, *_) in hits.items():  # its prompt attends to the kept prefix's keys: not computed
+            if i not in taken:
+                self.runner.record(groups[i]).cached = length
         if clusters:
             return self.run_shared(groups, clusters)
         for members in by_length([g.num_prompt_tokens for g in groups], self.MAX_PADDING, self.PASS_COST_TOKENS):

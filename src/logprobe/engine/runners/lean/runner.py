@@ -38,6 +38,7 @@ class GroupRecord:
     prefill: PrefillState | None = None
     rows: list[Row] = field(default_factory=list)
     tree: object = None  # lean/tree.py's TreeKV
+    cached: int = 0  # prompt tokens taken from the prefix cache instead of a pass
 
 
 class LeanRunner:
@@ -263,8 +264,13 @@ class LeanRunner:
         return None if record is None else record.prefill
 
     def start_prefill(self, group: SequenceGroup, state: PrefillState) -> PrefillState:
-        self.record(group).prefill = state
+        record = self.record(group)
+        record.prefill, record.cached = state, state.done  # it starts after what the prefix cache held
         return state
+
+    def cached_tokens(self, group: SequenceGroup) -> int:
+        record = self.records.get(group)
+        return 0 if record is None else record.cached
 
     def rows_of(self, group: SequenceGroup) -> list[Row]:
         record = self.records.get(group)
