@@ -70,7 +70,8 @@ class SlabRows:
     positions: torch.Tensor | None  # [n] where each row writes; None: every row at read - 1 (one copy)
     slots: torch.Tensor | None  # [n] the rows' slots, for the scatter (None with positions)
     read: int  # positions read
-    views: dict  # window -> (first position read, additive mask [n, 1, 1, read - first] or None)
+    views: dict  # window -> (first position read, additive mask [n or 1, 1, 1, read - first] or None)
+    at: int | None = None  # with positions None: where every row writes (None: read - 1)
 
 
 @dataclass(slots=True)
@@ -99,6 +100,10 @@ class Attention:
         self.dtype, self.device = dtype, device
 
     FEW_QUERIES = 32  # a pass of one row and at most this many queries attends in the decode step's layout
+    # Keys are read in spans of whole multiples of this many positions, those past a query's own masked:
+    # SDPA's CPU kernel sums full vectors of keys and a scalar tail, so a key's place in that split (and
+    # the query's bits) would otherwise depend on how many positions the longest row of its batch holds.
+    READ_ALIGN = 64
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PassMeta) -> torch.Tensor:
         """q [B, H, T, d], k and v [B, KV, T, d] of this pass's tokens -> [B, H, T, d]."""
@@ -145,8 +150,9 @@ class Attention:
             qs, ks, vs = (q, k, v) if part.rows is None else (q[part.rows], k[part.rows], v[part.rows])
             keys, values = part.keys[layer][:n], part.values[layer][:n]
             if part.positions is None:  # ks, vs [n, KV, 1, d] go to the one position every row is at
-                keys.narrow(2, part.read - 1, 1).copy_(ks)
-                values.narrow(2, part.read - 1, 1).copy_(vs)
+                at = part.read - 1 if part.at is None else part.at
+                keys.narrow(2, at, 1).copy_(ks)
+                values.narrow(2, at, 1).copy_(vs)
             else:
                 keys[part.slots, :, part.positions] = ks[:, :, 0]
                 values[part.slots, :, part.positions] = vs[:, :, 0]
@@ -221,6 +227,17 @@ class Attention:
         for window in self.window_sizes:
             masks[window] = (seen & (query_positions - key_positions < window))[:, None]
         return self.additive(masks)
+
+    def step_views(self, position: int, read: int) -> dict:
+        """`decode_views` for rows that are all at `position`, reading `read` positions from 0: one mask
+        [1, 1, 1, read] they share (None where nothing past the position is read and no window masks)."""
+        if position == read - 1 and not self.window_sizes:
+            return {None: (0, None)}
+        columns = torch.arange(read, device=self.device)
+        seen = {None: (columns <= position)[None, None, None]}
+        for window in self.window_sizes:
+            seen[window] = seen[None] & (columns > position - window)[None, None, None]
+        return {w: (0, mask) for w, mask in self.additive(seen).items()}
 
     def decode_views(self, positions: torch.Tensor | None, read: int) -> dict:
         """{window: (first position read, additive mask [n, 1, 1, read - first] or None)} for decode rows

@@ -396,17 +396,24 @@ class LeanRunner:
 
     def prepare_decode(self, slabs, positions: torch.Tensor) -> PassMeta:
         """A decode step of every row of `slabs` (at `positions` [rows], slab by slab): each slab's rows read
-        its first `longest` positions (`[:rows, :, :longest]`), with a length mask unless every row is at
-        the same position (each sliding window then reads just its last `window` positions)."""
+        its first positions in a span of whole `Attention.READ_ALIGN` positions that holds the longest
+        row's, each row's own masked (so a row's bits do not depend on the rows beside it). Where every row
+        is at the same position, their keys and values are written with one copy and share one mask (none
+        where the span ends at that position and no layer has a sliding window)."""
         count, start, parts = positions.shape[0], 0, []
+        align = self.attention.READ_ALIGN
         for slab in slabs:
             n = len(slab.rows)
-            read = max(r.length for r in slab.rows) + 1
-            in_step = all(r.length == read - 1 for r in slab.rows)  # no mask, no scatter
-            mine = None if in_step else (positions if n == count else positions[start:start + n])
-            parts.append(SlabRows(slab.keys, slab.values, None if n == count else slice(start, start + n), n, mine,
-                                  None if in_step else torch.arange(n, device=self.device), read,
-                                  self.attention.decode_views(mine, read)))
+            longest = max(r.length for r in slab.rows) + 1
+            read = min(slab.capacity, -(-longest // align) * align)
+            rows = None if n == count else slice(start, start + n)
+            if all(r.length == longest - 1 for r in slab.rows):  # one copy, one mask
+                parts.append(SlabRows(slab.keys, slab.values, rows, n, None, None, read,
+                                      self.attention.step_views(longest - 1, read), longest - 1))
+            else:
+                mine = positions if n == count else positions[start:start + n]
+                parts.append(SlabRows(slab.keys, slab.values, rows, n, mine, torch.arange(n, device=self.device), read,
+                                      self.attention.decode_views(mine, read)))
             start += n
         return PassMeta(positions[:, None], slabs=parts, few_rows=self.int4 and count <= self.INT4_MAX_ROWS)
 
