@@ -30,7 +30,7 @@ def prompt(length: int, salt: int) -> list[int]:
 def drive(engine, groups, later=(), after=0):
     """Run `groups` a step at a time; each of `later` is added once `after` steps have run and no other
     prompt waits or is being prefilled (its prompt then runs in a pass of its own, or beside decode rows)."""
-    scheduler, steps, later = engine.scheduler, 0, list(later)
+    scheduler, steps, later, everyone = engine.scheduler, 0, list(later), [*groups, *later]
     for group in groups:
         scheduler.add(group)
     while scheduler.has_work or later:
@@ -41,7 +41,7 @@ def drive(engine, groups, later=(), after=0):
         if plan is not None:
             engine.step(plan)
         steps += 1
-    assert all(g.error is None and g.is_finished for g in [*groups])
+    assert all(g.error is None and g.is_finished for g in everyone)
 
 
 def probes(engine):

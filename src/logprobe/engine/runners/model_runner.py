@@ -246,7 +246,7 @@ class ModelRunner:
         return 0
 
     def cached_tokens(self, group: SequenceGroup) -> int:
-        """None: this runner computes every prompt token (it keeps no prefix cache)."""
+        """0: this runner computes every prompt token (it keeps no prefix cache)."""
         return 0
 
     def decode_groups(self, groups: list[SequenceGroup]) -> list[torch.Tensor]:
