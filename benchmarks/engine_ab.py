@@ -7,7 +7,10 @@ and no intervention), in alternating rounds, each round a fresh process per side
    every round and side are new (none repeats a prefix another ran), so a prefix cache only costs here.
 
     python benchmarks/engine_ab.py --baseline /path/to/other/checkout/src [--rounds 3]
-                                   [--dtype bfloat16] [--quantization int4]
+                                   [--dtype bfloat16] [--quantization int4] [--context N]
+
+`--context N` puts N tokens in front of the streams' prompt (their rows decode from N positions on)
+and N words more in each scored text (long prompts, long key reads).
 
 Prints tokens per second per side and round, and the median of the per-round ratios (this tree / the
 baseline). These machines drift by up to 2x within minutes: read the ratios, not the absolute numbers.
@@ -35,7 +38,7 @@ except ImportError:  # a tree from before engine/ was laid out by role (a baseli
     from logprobe.engine import loader
     from logprobe.engine.request import SamplingParams, SequenceGroup
 
-dtype, quantization, salt = sys.argv[1], sys.argv[2], int(sys.argv[3])
+dtype, quantization, salt, context = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 source = loader.resolve_source(None)
 model, tok = loader.load(source, dtype=dtype, quantization=quantization)
 engine = Engine(model, tok, source.name, source.aliases)
@@ -45,7 +48,7 @@ words = ["river", "stone", "lamp", "garden", "winter", "letter", "harbour", "fie
 
 def text(i):
     # distinct from its first token on, per round and side (salt), so no prefix repeats
-    picks = [words[(i * 7 + j * (salt + 3) + salt) % len(words)] for j in range(120)]
+    picks = [words[(i * 7 + j * (salt + 3) + salt) % len(words)] for j in range(120 + context)]
     return f"Text {salt}-{i}: " + " ".join(picks)
 
 def run(groups):
@@ -54,6 +57,8 @@ def run(groups):
     return time.perf_counter() - t0
 
 prompt = tok("The history of the printing press").input_ids
+if context:  # streams that start `context` tokens in
+    prompt = tok(" ".join(words[(j * 5 + salt) % len(words)] for j in range(context))).input_ids[:context] + prompt
 run([SequenceGroup("warm", prompt, SamplingParams(max_tokens=8, logprobs=5, temperature=0), engine.table)])
 out = {}
 t = run([SequenceGroup("one", prompt, SamplingParams(max_tokens=64, logprobs=5, temperature=0), engine.table)])
@@ -70,9 +75,9 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def one_round(src: str, dtype: str, quantization: str, salt: int) -> dict:
+def one_round(src: str, dtype: str, quantization: str, salt: int, context: int = 0) -> dict:
     env = {**os.environ, "PYTHONPATH": src}
-    proc = subprocess.run([sys.executable, "-c", WORKER, dtype, quantization, str(salt)], env=env,
+    proc = subprocess.run([sys.executable, "-c", WORKER, dtype, quantization, str(salt), str(context)], env=env,
                           capture_output=True, text=True, check=True)
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
     return json.loads(line[7:])
@@ -84,9 +89,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--quantization", default="int4", choices=["none", "int4"])
+    ap.add_argument("--context", type=int, default=0,
+                    help="tokens in front of the streams' prompt, and words added to each scored text")
     args = ap.parse_args()
     print(f"this tree ({HERE}) vs baseline ({args.baseline}); bundled model, {args.dtype}, "
-          f"quantization {args.quantization}, {os.cpu_count()} CPUs, {args.rounds} alternating rounds")
+          f"quantization {args.quantization}, context {args.context}, {os.cpu_count()} CPUs, "
+          f"{args.rounds} alternating rounds")
     ratios: dict[str, list[float]] = {}
     salt = 0
     for r in range(args.rounds):
@@ -96,7 +104,7 @@ def main() -> None:
         results = {}
         for name, src in sides:
             salt += 1
-            results[name] = one_round(src, args.dtype, args.quantization, salt)
+            results[name] = one_round(src, args.dtype, args.quantization, salt, args.context)
         for workload in results["baseline"]:
             old, new = results["baseline"][workload], results["this tree"][workload]
             ratios.setdefault(workload, []).append(new / old)

@@ -47,7 +47,8 @@ def one_pass(runner, rows: int, tokens: int) -> None:
     from logprobe.engine.host.request import SamplingParams
 
     ids = torch.randint(100, 40_000, (rows, tokens))
-    meta = PassMeta(torch.arange(tokens)[None].expand(rows, -1), runner.attention.causal_masks(tokens))
+    masks, read = runner.attention.own_pass(tokens)
+    meta = PassMeta(torch.arange(tokens)[None].expand(rows, -1), masks, read=read)
     hidden = runner.forward(ids, meta)
     states = hidden[:, :tokens - 1].reshape(-1, hidden.shape[-1])
     cols = runner.columns.new(1 + states.shape[0], SamplingParams(prompt_logprobs=0))

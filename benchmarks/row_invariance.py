@@ -9,6 +9,8 @@ runner calls, the classes of call shapes inside which one row's output is bit-fo
   `read` positions, the positions past its own masked.
 - Attention in the prompt layout (`attend_prompt`): the same queries of one sequence, attending over
   keys from position 0, computed in one call or split in chunks of queries (as chunked prefill does).
+- Attention over reads: one query at a position, over every read of whole 64 positions that holds it;
+  and whether the reads `Attention.aligned` makes fall in one class (the invariance rests on it).
 
     python benchmarks/row_invariance.py [--threads 2] [--hidden 576 --heads 9 --kv-heads 3 --head-dim 64
                                          --intermediate 1536 --vocab 49152]
@@ -111,6 +113,30 @@ def prompt_attention(heads: int, kv_heads: int, d: int, gen: torch.Generator) ->
         show(f"{dtype} SDPA prompt (query chunk size)", classes(outs))
 
 
+def read_attention(heads: int, kv_heads: int, d: int, gen: torch.Generator) -> None:
+    """One query at position p over reads of every multiple of 64 positions that holds it (the keys past p
+    masked): the classes of reads giving the same bits, then whether the reads `Attention.aligned` makes
+    all fall in one class."""
+    from logprobe.engine.runners.lean.attention import Attention
+
+    att = Attention([None], d ** -0.5, heads, kv_heads, torch.float32, torch.device("cpu"))
+    longest = 1280
+    for dtype in (torch.float32, torch.bfloat16):
+        q = torch.randn(1, heads, longest, d, generator=gen).to(dtype)
+        k = torch.randn(1, kv_heads, longest, d, generator=gen).to(dtype)
+        v = torch.randn(1, kv_heads, longest, d, generator=gen).to(dtype)
+        for p in (40, 200, 300, 450, 700, 1100):
+            outs = []
+            for read in range(64 * (p // 64 + 1), longest + 1, 64):
+                mask = torch.zeros(1, read, dtype=dtype).masked_fill_(torch.arange(read)[None] > p, float("-inf"))
+                outs.append((read, F.scaled_dot_product_attention(q[:, :, p:p + 1], k[:, :, :read], v[:, :, :read],
+                                                                  attn_mask=mask, enable_gqa=heads != kv_heads)))
+            groups = classes(outs)
+            aligned = {att.aligned(n) for n in range(p + 1, longest + 1)}
+            together = any(aligned <= set(g) for g in groups)
+            show(f"{dtype} SDPA query at {p} (reads); Attention.aligned's reads in one class: {together}", groups)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -131,6 +157,7 @@ def main() -> None:
         products(shapes, gen)
         decode_attention(args.heads, args.kv_heads, d, gen)
         prompt_attention(args.heads, args.kv_heads, d, gen)
+        read_attention(args.heads, args.kv_heads, d, gen)
 
 
 if __name__ == "__main__":

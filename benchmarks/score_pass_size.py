@@ -64,7 +64,8 @@ def main() -> None:
         rows = 1 if budget == 512 else 8
 
         def one(b):
-            meta = PassMeta(torch.arange(500)[None].expand(b, -1), runner.attention.causal_masks(500))
+            masks, read = runner.attention.own_pass(500)
+            meta = PassMeta(torch.arange(500)[None].expand(b, -1), masks, read=read)
             runner.forward(torch.randint(100, 40_000, (b, 500), generator=gen), meta)
 
         t0 = time.perf_counter()

@@ -81,10 +81,10 @@ class Store:
 
     @classmethod
     def empty(cls, layers: int, kv_heads: int, head_dim: int, width: int | None, capacity: int, dtype, device) -> "Store":
-        """A store of `capacity` positions, nothing written; with hidden states of `width` (None: none)."""
+        """A store of `capacity` positions holding zeros; with hidden states of `width` (None: none)."""
         shape = (kv_heads, capacity, head_dim)
-        return cls([torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)],
-                   [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)],
+        return cls([torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)],
+                   [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)],
                    None if width is None else torch.empty((capacity, width), dtype=dtype, device=device))
 
 

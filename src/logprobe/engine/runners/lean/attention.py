@@ -20,42 +20,54 @@ import torch.nn.functional as F
 @dataclass(slots=True)
 class ChunkKV:
     """Prompts prefilled in chunks: each chunk's keys and values written into its group's buffers
-    (`PrefillState`: per layer [KV, P, d]) at its positions; the pass attends over each buffer up to
-    its chunk's end, prompts one after another (the mask keeps each to its own)."""
+    (`PrefillState`: per layer [KV, P, d]) at its positions. Each chunk attends on its own, over its
+    buffer's first `reads[i]` positions (its chunk's end, rounded up by `Attention.aligned`),
+    so a query's keys sit where they would if its prompt ran alone, whatever other chunks share the pass."""
 
     chunks: list[tuple]  # (PrefillState, start, stop) per prompt, in the pass's order
+    reads: list[int]  # per chunk: the positions of its buffer it reads
 
-    def exchange(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if len(self.chunks) == 1:  # a view of the buffer, no copy
-            state, start, stop = self.chunks[0]
-            state.keys[layer][:, start:stop] = k[0]
-            state.values[layer][:, start:stop] = v[0]
-            return state.keys[layer][None, :, :stop], state.values[layer][None, :, :stop]
-        q0 = 0
-        for state, start, stop in self.chunks:
-            state.keys[layer][:, start:stop] = k[0, :, q0:q0 + stop - start]
-            state.values[layer][:, start:stop] = v[0, :, q0:q0 + stop - start]
+    def exchange(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Write each chunk's keys and values; [(keys, values) [1, KV, read, d]] per chunk."""
+        out, q0 = [], 0
+        for (state, start, stop), read in zip(self.chunks, self.reads):
+            keys, values = state.keys[layer], state.values[layer]
+            keys[:, start:stop] = k[0, :, q0:q0 + stop - start]
+            values[:, start:stop] = v[0, :, q0:q0 + stop - start]
             q0 += stop - start
-        keys = torch.cat([state.keys[layer][:, :stop] for state, _, stop in self.chunks], dim=1)[None]
-        values = torch.cat([state.values[layer][:, :stop] for state, _, stop in self.chunks], dim=1)[None]
-        return keys, values
+            out.append((_read(keys, read)[None], _read(values, read)[None]))
+        return out
+
+
+def _read(buffer: torch.Tensor, read: int) -> torch.Tensor:
+    """A buffer's first `read` positions ([KV, read, d]): a view where it holds them (positions past
+    those written hold zeros or an earlier writer's keys, finite either way, and are masked), else a copy
+    padded with zeros."""
+    if buffer.shape[1] >= read:
+        return buffer[:, :read]
+    return F.pad(buffer, (0, 0, 0, read - buffer.shape[1]))
 
 
 @dataclass(slots=True)
 class PrefixedKV:
-    """Prompts' own tokens after prefixes whose keys and values were made before (prompt_batch.py): per
-    row, its prefix's keys in front of its own (zeros, masked, past a shorter prefix or for none)."""
+    """Prompts' own tokens after prefixes whose keys and values were made before (prompt_batch.py): each
+    row's keys at their positions, its prefix's (0..first - 1) then its own, zeros past them up to the
+    pass's read. A row's keys sit where they would if it ran alone."""
 
-    shape: tuple  # of the prefix part: [rows, KV, longest prefix, d]
+    shape: tuple  # [rows, KV, read, d]
     prefix_of: dict  # row -> (prefix length, keys per layer [KV, P, d], values per layer, hidden)
+    own: tuple  # (rows, sources, targets) index tensors: row r's own token at s goes to key position t
 
     def exchange(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        prefix_k = torch.zeros(self.shape, dtype=k.dtype, device=k.device)
-        prefix_v = torch.zeros(self.shape, dtype=v.dtype, device=v.device)
-        for row, (length, keys, values, _) in self.prefix_of.items():
-            prefix_k[row, :, :length] = keys[layer]
-            prefix_v[row, :, :length] = values[layer]
-        return torch.cat([prefix_k, k], dim=2), torch.cat([prefix_v, v], dim=2)
+        keys = torch.zeros(self.shape, dtype=k.dtype, device=k.device)
+        values = torch.zeros(self.shape, dtype=v.dtype, device=v.device)
+        for row, (length, prefix_keys, prefix_values, _) in self.prefix_of.items():
+            keys[row, :, :length] = prefix_keys[layer][:, :length]
+            values[row, :, :length] = prefix_values[layer][:, :length]
+        rows, sources, targets = self.own
+        keys[rows, :, targets] = k[rows, :, sources]
+        values[rows, :, targets] = v[rows, :, sources]
+        return keys, values
 
 
 @dataclass(slots=True)
@@ -79,8 +91,9 @@ class PassMeta:
     """One pass of the blocks besides its tokens: made by the pass's prepare step, read by `Attention`."""
 
     positions: torch.Tensor  # [B, T]: each token's position (RoPE, interventions)
-    masks: dict | None = None  # window -> additive mask [(B, 1,) T, keys], or None: plain causal
+    masks: dict | None = None  # window -> additive mask [(B, 1,) T, keys] (ChunkKV: a list, one per chunk), None: causal
     kv: ChunkKV | PrefixedKV | None = None  # None: the pass attends to its own keys and values only
+    read: int | None = None  # key positions read, zeros past those held (ChunkKV: each chunk's own)
     slabs: list[SlabRows] | None = None  # a decode step: its rows slab by slab (then `masks` is unused)
     keep: Callable | None = None  # keep(layer, k, v) sees every layer's keys and values (prefix cache)
     few_rows: bool = False  # a decode step small enough for the 4-bit weights
@@ -99,11 +112,24 @@ class Attention:
         self.group = num_heads // kv_heads  # query heads per key/value head
         self.dtype, self.device = dtype, device
 
-    FEW_QUERIES = 32  # a pass of one row and at most this many queries attends in the decode step's layout
-    # Keys are read in spans of whole multiples of this many positions, those past a query's own masked:
-    # SDPA's CPU kernel sums full vectors of keys and a scalar tail, so a key's place in that split (and
-    # the query's bits) would otherwise depend on how many positions the longest row of its batch holds.
+    # How far a pass reads keys: SDPA's CPU kernel sums whole vectors of keys and then a scalar tail, takes
+    # keys in blocks of KV_BLOCK, and (float32) its product of a block's weights by the values splits a
+    # block of more than SHORT_BLOCK keys and fewer than KV_BLOCK in two, at a point that moves with the
+    # block's length. A key's place in those splits, and so a query's bits, would depend on how many
+    # positions the longest row of its pass holds. Reads of whole READ_ALIGN positions whose last block
+    # is at most SHORT_BLOCK long, or whole (every block 64-256 or 512 keys), give a query the same bits
+    # at every read that holds it (`aligned`; measured by benchmarks/row_invariance.py).
     READ_ALIGN = 64
+    KV_BLOCK = 512
+    SHORT_BLOCK = 256
+    # The oldest torch whose CPU kernel has that property (measured on 2.13 and 2.15; 2.6 gives other bits
+    # for reads of 512 and in the decode layout): below it the runner warns at start.
+    INVARIANT_TORCH = (2, 13)
+
+    @classmethod
+    def invariant_kernels(cls) -> bool:
+        """Whether this torch's CPU attention gives a query the same bits at every read `aligned` makes."""
+        return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= cls.INVARIANT_TORCH
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PassMeta) -> torch.Tensor:
         """q [B, H, T, d], k and v [B, KV, T, d] of this pass's tokens -> [B, H, T, d]."""
@@ -122,18 +148,26 @@ class Attention:
     def attend_prompt(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PassMeta
                       ) -> torch.Tensor:
         """Queries of prompt tokens (several a row) over the pass's keys and values, or those `meta.kv`
-        exchanges them for."""
+        exchanges them for: read `meta.read` positions (zeros past the pass's own), or each chunk its
+        own (ChunkKV)."""
+        masks = meta.masks[self.windows[layer]]
+        if isinstance(meta.kv, ChunkKV):
+            outs, q0 = [], 0
+            for (keys, values), mask, (_, start, stop) in zip(meta.kv.exchange(layer, k, v), masks, meta.kv.chunks):
+                n = stop - start
+                outs.append(self.sdpa(q[:, :, q0:q0 + n], keys, values, mask))
+                q0 += n
+            return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         keys, values = (k, v) if meta.kv is None else meta.kv.exchange(layer, k, v)
-        mask = meta.masks[self.windows[layer]]
-        b, _, t, d = q.shape
-        if b == 1 and t <= self.FEW_QUERIES and self.group > 1 and \
-                ((mask is None and t == keys.shape[2] == 1) or (mask is not None and mask.dim() == 2)):
-            # A few queries (a prompt's last tokens after a kept prefix): each key/value head's query heads
-            # as its queries, as in a decode step, without enable_gqa's copy of every key and value.
-            grouped = q.reshape(1, self.kv_heads, self.group * t, d)
-            out = F.scaled_dot_product_attention(grouped, keys, values, scale=self.scale,
-                                                 attn_mask=None if mask is None else mask.repeat(self.group, 1))
-            return out.reshape(1, self.num_heads, t, d)
+        if meta.read is not None and keys.shape[2] < meta.read:
+            pad = (0, 0, 0, meta.read - keys.shape[2])
+            keys, values = F.pad(keys, pad), F.pad(values, pad)
+        return self.sdpa(q, keys, values, masks)
+
+    def sdpa(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
+             ) -> torch.Tensor:
+        """q [B, H, T, d] over keys and values [B, KV, K, d] under an additive mask ([T, K] or [B, 1, T, K];
+        None: plain causal)."""
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
                                               scale=self.scale, enable_gqa=self.kv_heads != self.num_heads)
 
@@ -195,30 +229,56 @@ class Attention:
             out[key] = mask
         return out
 
-    def causal_masks(self, length: int) -> dict:
-        """A pass over positions 0..length-1 of its own tokens: plain causal attention (None: SDPA's
-        is_causal, which lets it take its flash kernels on a GPU), each sliding window's band."""
+    def aligned(self, length: int) -> int:
+        """The key positions a pass reads to hold `length` (those past a query's own masked): whole
+        READ_ALIGN, up to the next whole KV_BLOCK where the last block would be longer than SHORT_BLOCK
+        (see READ_ALIGN): 64, 128, 192, 256, 512, 576, ..., 768, 1024, 1088, ..."""
+        read = -(-length // self.READ_ALIGN) * self.READ_ALIGN
+        if read % self.KV_BLOCK > self.SHORT_BLOCK:
+            read = -(-read // self.KV_BLOCK) * self.KV_BLOCK
+        return read
+
+    def prompt_masks(self, positions: torch.Tensor, read: int) -> dict:
+        """{window: additive mask} for queries at `positions` ([T], every row's; or [B, T]) over keys held at
+        their own positions 0..read-1: a query at p sees the keys at p and before (after p - window in a
+        sliding window's layers). [T, read], or [B, 1, T, read]."""
+        columns = torch.arange(read, device=self.device)
+        at = positions[..., None]
+        seen = {None: columns <= at}
+        for window in self.window_sizes:
+            seen[window] = seen[None] & (columns > at - window)
+        masks = self.additive(seen)
+        return masks if positions.dim() == 1 else {w: mask[:, None] for w, mask in masks.items()}
+
+    def own_pass(self, length: int) -> tuple[dict, int | None]:
+        """(masks, read) of a pass whose rows attend to their own tokens only, from position 0. On a CPU the
+        keys are read to `aligned(length)` (zeros past the pass's own), which gives a query the bits it
+        has in a pass of any length, a chunk of its prompt included; on a GPU as they are (its flash
+        kernels are not row-invariant either way: docs/performance.md)."""
+        read = self.aligned(length) if self.device.type == "cpu" else length
+        return self.causal(length, read), read
+
+    def causal(self, length: int, read: int) -> dict:
+        """{window: mask} for queries at positions 0..length-1 over keys read to `read`: plain causal attention
+        (None: SDPA's is_causal, where a query i sees keys 0..i and skips the key blocks past it, so keys
+        read past the pass's own are never seen; the same bits as under a mask), each sliding window's band."""
         if not self.window_sizes:
             return {None: None}
-        causal = torch.ones(length, length, dtype=torch.bool, device=self.device).tril()
-        masks = self.additive(self.bands(causal, 0))
-        masks[None] = None
-        return masks
+        causal = torch.ones(length, read, dtype=torch.bool, device=self.device).tril()
+        return {**self.additive(self.bands(causal, 0)), None: None}
 
-    def chunk_masks(self, spans: list[tuple[int, int]]) -> dict:
-        """Chunks of prompts packed into one sequence, `spans` (start, stop) of each: every chunk's
-        queries see its own prompt's keys up to themselves, a block-diagonal causal mask."""
-        num_queries, num_keys = sum(stop - start for start, stop in spans), sum(stop for _, stop in spans)
-        masks = {w: torch.zeros(num_queries, num_keys, dtype=torch.bool, device=self.device)
-                 for w in [None, *self.window_sizes]}
-        q0 = k0 = 0
-        for start, stop in spans:
-            n = stop - start
-            blocks = self.bands(torch.ones(n, stop, dtype=torch.bool, device=self.device).tril(start), start)
-            for w, mask in masks.items():
-                mask[q0:q0 + n, k0:k0 + stop] = blocks[w]
-            q0, k0 = q0 + n, k0 + stop
-        return self.additive(masks)
+    def chunk_masks(self, spans: list[tuple[int, int]]) -> tuple[dict, list[int]]:
+        """Chunks of prompts, `spans` (start, stop) of each, each attending over its own prompt's keys:
+        ({window: [mask per chunk]}, the positions each chunk reads). A prompt's first chunk is plain
+        causal (`causal`)."""
+        reads = [self.aligned(stop) for _, stop in spans]
+        masks: dict = {w: [] for w in [None, *self.window_sizes]}
+        for (start, stop), read in zip(spans, reads):
+            made = self.causal(stop, read) if start == 0 else \
+                self.prompt_masks(torch.arange(start, stop, device=self.device), read)
+            for w, mask in made.items():
+                masks[w].append(mask)
+        return masks, reads
 
     def row_masks(self, seen: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor) -> dict:
         """Per-row masks [B, 1, T, keys] from what each query sees under full attention, `seen` [B, T, keys],

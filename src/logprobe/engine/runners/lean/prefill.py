@@ -33,7 +33,10 @@ class PrefillState:
                                             (start == hit.length or hit.entry.store.tail[1]))
         store = cache.claim(hit, num, self) if hit is not None else None
         if store is None:
-            capacity = grown(num) if hit is not None and hit.extends else num
+            # whole READ_ALIGN positions: a chunk reads its store to its end rounded up (attention.ChunkKV;
+            # a read past the capacity is a padded copy)
+            align = runner.attention.READ_ALIGN
+            capacity = -(-(grown(num) if hit is not None and hit.extends else num) // align) * align
             store = Store.empty(len(runner.layers), runner.kv_heads, runner.head_dim, runner.hidden_size,
                                 capacity, runner.dtype, runner.device)
             store.writer = self
@@ -127,14 +130,8 @@ def finish_chunks(runner, chunks, parts, hidden: torch.Tensor) -> tuple[list[int
 
 
 def prepare_prefill(runner, parts: list[tuple[PrefillState, int, int]]) -> PassMeta:
-    """The pass of prompts' chunks (state, start, stop), packed one after another."""
+    """The pass of prompts' chunks (state, start, stop), packed one after another, each attending over
+    its own prompt's keys (`Attention.chunk_masks`)."""
     positions = torch.cat([torch.arange(start, stop, device=runner.device) for _, start, stop in parts])[None]
-    if len(parts) > 1:
-        masks = runner.attention.chunk_masks([(start, stop) for _, start, stop in parts])
-    elif parts[0][1] == 0 and not runner.attention.window_sizes:  # a whole prompt so far: plain causal
-        masks = {None: None}
-    else:
-        _, start, stop = parts[0]
-        causal = torch.ones(stop - start, stop, dtype=torch.bool, device=runner.device).tril(start)
-        masks = runner.attention.additive(runner.attention.bands(causal, start))
-    return PassMeta(positions, masks, kv=ChunkKV(parts))
+    masks, reads = runner.attention.chunk_masks([(start, stop) for _, start, stop in parts])
+    return PassMeta(positions, masks, kv=ChunkKV(parts, reads))

@@ -83,8 +83,9 @@ class PromptBatches:
         ids = ids.to(runner.device)
         firsts = [0] * len(groups)
         seeds = Seeds(self, groups, plain, firsts, {}, {})
-        meta = PassMeta(torch.arange(longest, device=runner.device)[None].expand(len(groups), -1),
-                        runner.attention.causal_masks(longest), keep=seeds.keep if seeds else None)
+        masks, read = runner.attention.own_pass(longest)
+        meta = PassMeta(torch.arange(longest, device=runner.device)[None].expand(len(groups), -1), masks, read=read,
+                        keep=seeds.keep if seeds else None)
         edit = segment_editor([(row, 0, lengths[row], g.edits) for row, g in enumerate(groups)])
         hidden = runner.forward(ids, meta, edit=edit)
         self.fill_columns(groups, hidden, ids, lengths)
@@ -190,27 +191,24 @@ class PromptBatches:
         def keep(layer, k, v):
             keys[layer], values[layer] = k[0], v[0]
 
-        meta = PassMeta(torch.arange(length, device=runner.device)[None], runner.attention.causal_masks(length),
-                        keep=keep)
+        masks, read = runner.attention.own_pass(length)
+        meta = PassMeta(torch.arange(length, device=runner.device)[None], masks, read=read, keep=keep)
         hidden = runner.forward(torch.tensor([prefix], dtype=torch.long).to(runner.device), meta)[0]
         return keys, values, hidden
 
     def prepare_prefixed(self, firsts: list[int], own: list[int], prefix_of: dict) -> PassMeta:
-        """The pass of each row's own tokens after its prefix of firsts[row] positions: keys are [prefix
-        slots 0..longest prefix - 1 | own slots], each row's own at its true positions."""
+        """The pass of each row's own tokens after its prefix of firsts[row] positions: each row's keys at
+        their positions (its prefix's, then its own), read to the longest row's end in whole
+        `Attention.READ_ALIGN` positions, so a row's keys sit where they would if it ran alone."""
         runner, device = self.runner, self.runner.device
-        rows, longest_own, longest_prefix = len(own), max(own), max(firsts)
-        first = torch.tensor(firsts, device=device)[:, None]
-        step = torch.arange(longest_own, device=device)[None]
-        positions = first + step  # [rows, own]
-        # each key's position, and whether it is real
-        slot = torch.arange(longest_prefix, device=device)[None]
-        key_positions = torch.cat([slot.expand(rows, -1), positions], dim=1)
-        key_real = torch.cat([slot < first, step < torch.tensor(own, device=device)[:, None]], dim=1)
-        seen = key_real[:, None, :] & (key_positions[:, None, :] <= positions[:, :, None])  # [rows, own, keys]
-        masks = runner.attention.row_masks(seen, positions[:, :, None], key_positions[:, None, :])
-        kv = PrefixedKV((rows, runner.kv_heads, longest_prefix, runner.head_dim), prefix_of)
-        return PassMeta(positions, masks, kv=kv)
+        attention = runner.attention
+        positions = torch.tensor(firsts, device=device)[:, None] + torch.arange(max(own), device=device)[None]
+        read = attention.aligned(max(f + n for f, n in zip(firsts, own)))
+        rows = np.repeat(np.arange(len(own)), own)
+        sources = np.concatenate([np.arange(n) for n in own])
+        index = tuple(torch.from_numpy(a).to(device) for a in (rows, sources, sources + np.asarray(firsts)[rows]))
+        kv = PrefixedKV((len(own), runner.kv_heads, read, runner.head_dim), prefix_of, index)
+        return PassMeta(positions, attention.prompt_masks(positions, read), kv=kv, read=read)
 
 
 class Seeds:

@@ -74,6 +74,10 @@ class LeanRunner:
         self.windows = [w if w is not None and w < max_len else None for w in windows]
         self.attention = Attention(self.windows, family.attention_scale(), self.num_heads, self.kv_heads,
                                    self.dtype, self.device)
+        if self.device.type == "cpu" and not Attention.invariant_kernels():
+            log.warning("torch %s: a request's numbers may differ in the last bits with what runs beside it "
+                        "(batch invariance needs torch >= %s on a CPU: docs/performance.md)", torch.__version__,
+                        ".".join(map(str, Attention.INVARIANT_TORCH)))
         self.final_norm = family.final_norm()
         self.head = Linear.of(lm_head, self.packed)
         if release is not None:
@@ -217,7 +221,8 @@ class LeanRunner:
                 raise CaptureDone
 
         t = len(ids)
-        meta = PassMeta(torch.arange(t, device=self.device)[None], self.attention.causal_masks(t))
+        masks, read = self.attention.own_pass(t)
+        meta = PassMeta(torch.arange(t, device=self.device)[None], masks, read=read)
         try:
             self.forward(torch.tensor([ids], dtype=torch.long, device=self.device), meta, capture=capture,
                          edit=segment_editor([(0, 0, t, edits)]))
@@ -396,16 +401,15 @@ class LeanRunner:
 
     def prepare_decode(self, slabs, positions: torch.Tensor) -> PassMeta:
         """A decode step of every row of `slabs` (at `positions` [rows], slab by slab): each slab's rows read
-        its first positions in a span of whole `Attention.READ_ALIGN` positions that holds the longest
-        row's, each row's own masked (so a row's bits do not depend on the rows beside it). Where every row
-        is at the same position, their keys and values are written with one copy and share one mask (none
-        where the span ends at that position and no layer has a sliding window)."""
+        its first positions, as many as `Attention.aligned` gives for the longest row's, each row's own
+        masked (so a row's bits do not depend on the rows beside it). Where every row is at the same
+        position, their keys and values are written with one copy and share one mask (none where the
+        span ends at that position and no layer has a sliding window)."""
         count, start, parts = positions.shape[0], 0, []
-        align = self.attention.READ_ALIGN
         for slab in slabs:
             n = len(slab.rows)
             longest = max(r.length for r in slab.rows) + 1
-            read = min(slab.capacity, -(-longest // align) * align)
+            read = min(slab.capacity, self.attention.aligned(longest))
             rows = None if n == count else slice(start, start + n)
             if all(r.length == longest - 1 for r in slab.rows):  # one copy, one mask
                 parts.append(SlabRows(slab.keys, slab.values, rows, n, None, None, read,

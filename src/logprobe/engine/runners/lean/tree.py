@@ -26,8 +26,8 @@ class TreeKV:
 
     def __init__(self, runner, num_prompt: int, capacity: int):
         shape = (runner.kv_heads, capacity, runner.head_dim)
-        self.keys = [torch.empty(shape, dtype=runner.dtype, device=runner.device) for _ in runner.layers]
-        self.values = [torch.empty(shape, dtype=runner.dtype, device=runner.device) for _ in runner.layers]
+        self.keys = [torch.zeros(shape, dtype=runner.dtype, device=runner.device) for _ in runner.layers]
+        self.values = [torch.zeros(shape, dtype=runner.dtype, device=runner.device) for _ in runner.layers]
         self.positions = np.zeros(capacity, dtype=np.int64)
         self.positions[:num_prompt] = np.arange(num_prompt)
         self.column_of: dict[int, int] = {}
@@ -85,6 +85,10 @@ def prepare_tree(runner, tree: TreeGroup, state: TreeKV, start: int, stop: int) 
     device = runner.device
     key_positions = torch.from_numpy(state.positions[:stop]).to(device)
     query_positions = key_positions[start:stop]
+    read = runner.attention.aligned(stop)  # the columns read: whole READ_ALIGN, those past the tree's masked
+    seen = np.pad(seen, ((0, 0), (0, read - stop)))
+    key_positions = torch.cat([key_positions, key_positions.new_zeros(read - stop)])
     masks = runner.attention.row_masks(torch.from_numpy(seen).to(device)[None], query_positions[None, :, None],
                                        key_positions[None, None, :])
-    return PassMeta(query_positions[None], masks, kv=ChunkKV([(state, start, stop)]))
+    return PassMeta(query_positions[None], {w: [mask] for w, mask in masks.items()},
+                    kv=ChunkKV([(state, start, stop)], [read]))

@@ -1,0 +1,97 @@
+"""The property the lean runner's batch invariance rests on, checked on torch's own attention kernel: a
+query's output has the same bits however many key positions its call reads (`Attention.aligned` of any
+length that holds its keys, the positions past its own masked or never seen), whichever form the call
+takes (a prompt's queries under a mask or plain causal, a chunk of them, one decode row among others),
+at float32 and bfloat16, for SmolLM2's and Gemma 3's attention shapes and a tiny test model's.
+
+A read of any multiple of 64 is not enough in float32: a key block of 257-511 keys gives other bits
+than one of 512, which is why `aligned` reads on to the next 512 where the last block would be longer
+than 256 (benchmarks/row_invariance.py shows the
+classes). The property is torch's kernel's, not logprobe's: it holds on torch 2.13 and 2.15 (measured),
+not on 2.6 (other bits for reads of 512 and for the decode layout), so these tests run from
+`Attention.INVARIANT_TORCH` on; below it the engine warns at start (docs/performance.md)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from logprobe.engine.runners.lean.attention import Attention
+
+LENGTH = 1300
+pytestmark = pytest.mark.skipif(not Attention.invariant_kernels(), reason=(
+    f"torch {torch.__version__}: SDPA's CPU kernel gives a query other bits at other reads below torch "
+    f"{'.'.join(map(str, Attention.INVARIANT_TORCH))} (module docstring)"))
+SHAPES = {"smollm2": (3, 3, 64), "gemma3": (1, 4, 256), "tiny": (2, 2, 16)}  # (KV heads, query heads each, d)
+
+
+def setup(shape, dtype, windows=(None,)):
+    kv, group, d = SHAPES[shape]
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n, LENGTH, d, generator=gen).to(dtype) for n in (kv * group, kv, kv))
+    return Attention(list(windows), d ** -0.5, kv * group, kv, dtype, torch.device("cpu")), q, k, v
+
+
+def padded(t: torch.Tensor, read: int) -> torch.Tensor:
+    """Keys or values [KV, LENGTH, d] as a buffer read to `read` positions: zeros past those held."""
+    return F.pad(t[:, :min(read, LENGTH)], (0, 0, 0, max(0, read - LENGTH)))[None]
+
+
+def prompt_form(att, q, k, v, start, stop, read, causal=False):
+    """Queries start..stop-1 over keys 0..read-1: masked (`prompt_masks`), or plain causal from 0 (`own_pass`)."""
+    if causal:
+        masks, read = att.own_pass(stop)
+        mask = masks[None]
+    else:
+        mask = att.prompt_masks(torch.arange(start, stop), read)[None]
+    return att.sdpa(q[None, :, start:stop], padded(k, read), padded(v, read), mask)[0]
+
+
+def decode_form(att, q, k, v, positions, read):
+    """One query per row at `positions`, every row over the same read of its slab (`decode_views`)."""
+    n, (kv, group, d) = len(positions), (att.kv_heads, att.group, q.shape[-1])
+    where = torch.tensor(positions)
+    _, mask = att.decode_views(where, read)[None]
+    queries = torch.stack([q[:, p].reshape(kv, group, d) for p in positions])
+    out = F.scaled_dot_product_attention(queries, padded(k, read).expand(n, -1, -1, -1),
+                                         padded(v, read).expand(n, -1, -1, -1), attn_mask=mask, scale=att.scale)
+    return out.reshape(n, att.num_heads, d)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_a_query_has_the_same_bits_at_every_read_and_in_every_form(shape, dtype):
+    att, q, k, v = setup(shape, dtype)
+    reads = sorted({att.aligned(n) for n in range(1, LENGTH + 1)})
+    assert reads[:9] == [64, 128, 192, 256, 512, 576, 640, 704, 768] and reads[9:12] == [1024, 1088, 1152]
+    whole = prompt_form(att, q, k, v, 0, LENGTH, att.aligned(LENGTH))  # every query, the longest read
+    positions = list(range(0, LENGTH, 23)) + [255, 256, 511, 512, 767, 1023, 1024, LENGTH - 1]
+    for p in positions:
+        want = whole[:, p]
+        for read in (r for r in reads if r > p):
+            assert torch.equal(decode_form(att, q, k, v, [p], read)[0], want), (p, read, "decode row")
+        assert torch.equal(prompt_form(att, q, k, v, 0, p + 1, 0, causal=True)[:, p], want), (p, "causal")
+    beside = decode_form(att, q, k, v, positions, att.aligned(LENGTH))
+    for i, p in enumerate(positions):
+        assert torch.equal(beside[i], whole[:, p]), (p, "decode rows together")
+    for start, stop in [(0, 40), (40, 100), (200, 300), (250, 290), (500, 700), (700, 1000), (1000, 1100), (1290, 1300)]:
+        for read in (att.aligned(stop), att.aligned(LENGTH)):
+            got = prompt_form(att, q, k, v, start, stop, read)
+            assert torch.equal(got, whole[:, start:stop]), (start, stop, read, "chunk")
+
+
+def test_sliding_windows_too():
+    att, q, k, v = setup("gemma3", torch.float32, windows=(None, 12))
+    whole = prompt_form(att, q, k, v, 0, 700, att.aligned(700))
+    for start, stop in [(0, 30), (30, 300), (300, 700)]:
+        masks = att.prompt_masks(torch.arange(start, stop), att.aligned(stop))
+        got = att.sdpa(q[None, :, start:stop], padded(k, att.aligned(stop)), padded(v, att.aligned(stop)), masks[12])[0]
+        masks_all = att.prompt_masks(torch.arange(0, 700), att.aligned(700))
+        want = att.sdpa(q[None, :, :700], padded(k, att.aligned(700)), padded(v, att.aligned(700)), masks_all[12])[0]
+        assert torch.equal(got, want[:, start:stop])
+        assert torch.equal(prompt_form(att, q, k, v, start, stop, att.aligned(stop)), whole[:, start:stop])
+    masks, read = att.own_pass(300)
+    got = att.sdpa(q[None, :, :300], padded(k, read), padded(v, read), masks[12])[0]
+    assert torch.equal(got, want[:, :300])
+
