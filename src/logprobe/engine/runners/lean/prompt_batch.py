@@ -198,8 +198,8 @@ class PromptBatches:
 
     def prepare_prefixed(self, firsts: list[int], own: list[int], prefix_of: dict) -> PassMeta:
         """The pass of each row's own tokens after its prefix of firsts[row] positions: each row's keys at
-        their positions (its prefix's, then its own), read to the longest row's end in whole
-        `Attention.READ_ALIGN` positions, so a row's keys sit where they would if it ran alone."""
+        their positions (its prefix's, then its own), read to `Attention.aligned` of the longest row's
+        end, so a row's keys sit where they would if it ran alone."""
         runner, device = self.runner, self.runner.device
         attention = runner.attention
         positions = torch.tensor(firsts, device=device)[:, None] + torch.arange(max(own), device=device)[None]

@@ -85,7 +85,7 @@ def prepare_tree(runner, tree: TreeGroup, state: TreeKV, start: int, stop: int) 
     device = runner.device
     key_positions = torch.from_numpy(state.positions[:stop]).to(device)
     query_positions = key_positions[start:stop]
-    read = runner.attention.aligned(stop)  # the columns read: whole READ_ALIGN, those past the tree's masked
+    read = runner.attention.aligned(stop)  # the columns read (Attention.aligned), those past the tree's masked
     seen = np.pad(seen, ((0, 0), (0, read - stop)))
     key_positions = torch.cat([key_positions, key_positions.new_zeros(read - stop)])
     masks = runner.attention.row_masks(torch.from_numpy(seen).to(device)[None], query_positions[None, :, None],
