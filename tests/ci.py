@@ -58,6 +58,7 @@ class Part:
         self.ended: float | None = None
         self.code: int | None = None
         self.log: Path | None = None
+        self.notes: list[str] = []
 
     def wall(self) -> float:
         return (self.ended or time.monotonic()) - self.started
@@ -66,7 +67,14 @@ class Part:
 def run_range(part: Part, end: str, quiet: bool) -> None:
     """Build the environment of one end of the ranges, then run its tests (output to a file when quiet)."""
     try:
-        python = version_ranges.build(end)
+        try:
+            python = version_ranges.build(end)
+        except (version_ranges.PipFailed, subprocess.CalledProcessError) as error:
+            # A download cut off mid-way (the newest end fetches torch's several-GB PyPI build) is not
+            # a defect of the code under test: build once more, from what pip already has, and say so.
+            part.notes.append(f"first build failed ({error}); building again")
+            print(f"{end} end: {part.notes[-1]}", flush=True)
+            python = version_ranges.build(end)
         part.built_s = time.monotonic() - part.started
         command = [str(python), "-m", "pytest", *version_ranges.TESTS]
         if quiet:
@@ -76,8 +84,9 @@ def run_range(part: Part, end: str, quiet: bool) -> None:
                 part.code = subprocess.run(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT).returncode
         else:
             part.code = subprocess.run(command, cwd=ROOT).returncode
-    except BaseException as error:  # a failed build fails the run, with its reason
-        print(f"{end} end: {type(error).__name__}: {error}", flush=True)
+    except BaseException as error:  # a failed build fails the run, with its reason (repeated in the summary)
+        part.notes.append(f"{type(error).__name__}: {error}")
+        print(f"{end} end: {part.notes[-1]}", flush=True)
         part.code = 1
     finally:
         part.ended = time.monotonic()
@@ -142,6 +151,8 @@ def main() -> int:
     for part in [suite, *ranges.values()]:
         built = f", environment built in {part.built_s:.0f}" if part.built_s is not None else ""
         print(f"  {part.name:>12}: {part.wall():7.0f}{built}; exit {part.code}", flush=True)
+        for note in part.notes:
+            print(f"  {'':>12}  {note}", flush=True)
     mode = "one after another" if args.serial else f"side by side, the suite on {args.workers} workers"
     print(f"  {'in all':>12}: {time.monotonic() - begin:7.0f} ({mode})", flush=True)
     return next((part.code for part in [suite, *ranges.values()] if part.code), 0)

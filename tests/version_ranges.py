@@ -95,9 +95,21 @@ def python_for(end: str, requires: str) -> str:
     return found[version]
 
 
+class PipFailed(RuntimeError):
+    """A pip install that failed, with the end of what pip wrote (CI's summary shows it)."""
+
+
 def pip(python: Path, *args: str, env: dict | None = None) -> None:
-    subprocess.run([str(python), "-m", "pip", "install", "-qq", "--disable-pip-version-check", *args],
-                   check=True, env=env)
+    run = subprocess.run([str(python), "-m", "pip", "install", "-qq", "--disable-pip-version-check", *args],
+                         env=env, stderr=subprocess.PIPE, text=True, errors="replace")
+    said = [line for line in run.stderr.splitlines()
+            if line.strip() and not re.match(r"WARNING: Location '.*' is ignored", line)]
+    if said:
+        print("\n".join(said), file=sys.stderr, flush=True)
+    if run.returncode:
+        tail = " | ".join(said[-8:]) or "(pip wrote nothing)"
+        raise PipFailed(f"pip install {' '.join(args[:4])}{' ...' if len(args) > 4 else ''} exited "
+                        f"{run.returncode}: {tail}")
 
 
 def installed(python: Path, names: list[str]) -> dict[str, str]:
