@@ -323,7 +323,7 @@ def test_chunks_and_packed_prefill_directly(kind, models, tokenizer):
     runner.prefix_cache.clear()  # the prompt of 40 ran above: its kept blocks would shorten these chunks
     groups = [make(engine, prompt(n), max_tokens=1, prompt_logprobs=1) for n in (6, 19, 40)]
     out = runner.prefill_chunks([(groups[0], 100), (groups[1], 100), (groups[2], 23)])
-    assert out[2] is None and runner.prefill_progress(groups[2]) == 23
+    assert out[2] is None and runner.prefill_state(groups[2]).done == 23
     while out[2] is None:
         out[2] = runner.prefill_chunk(groups[2], 8)
     for g, logprobs in zip(groups, out):

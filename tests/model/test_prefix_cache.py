@@ -397,3 +397,50 @@ def test_reset_empties_it(tokenizer, engines):
     assert cached.stats()["prefix_cache_bytes"] == cached.runner.prefix_cache.nbytes  # /metrics reads this
     cached.runner.reset()
     assert cached.runner.prefix_cache.nbytes == 0 and len(cached.runner.prefix_cache) == 0
+
+
+def test_the_scheduler_charges_only_the_tokens_to_compute(engines, monkeypatch):
+    """A 208-token prompt whose first 192 or more tokens the cache holds, admitted beside a decoding row
+    with chunks of 40 tokens: the scheduler counts the held tokens computed as it admits the prompt (the
+    runner's `start_prompt`), so its first chunk is the rest (16 tokens at most), a prompt admitted after
+    it gets the rest of the step's 40, and both answers have the bits they have on the engine without the
+    cache (their first tokens' log probabilities, their prompt's)."""
+    rng = np.random.default_rng(23)
+    seed = [1] + [int(t) for t in rng.integers(3, 40_000, 199)]
+    other = [1] + [int(t) for t in rng.integers(3, 40_000, 99)]
+    _, cached, uncached = engines("llama")
+
+    def run(engine):
+        scheduler, plans = engine.scheduler, []
+        monkeypatch.setattr(scheduler, "prefill_chunk_tokens", 40)
+        cache = engine.runner.prefix_cache
+        cache.clear()
+        seeder = SequenceGroup("seed", seed, SamplingParams(max_tokens=0, echo=True, prompt_logprobs=1), engine.table)
+        decoding = SequenceGroup("decoding", other[:20], SamplingParams(max_tokens=12, temperature=0), engine.table)
+        held = SequenceGroup("held", seed + [5] * 8, SamplingParams(max_tokens=2, prompt_logprobs=1, temperature=0),
+                             engine.table)
+        late = SequenceGroup("late", other, SamplingParams(max_tokens=2, prompt_logprobs=1, temperature=0), engine.table)
+        for group in (seeder, decoding):
+            scheduler.add(group)
+        with torch.inference_mode():
+            while not decoding.sequences[0].token_ids:  # the seeded prompt kept, the row decoding
+                engine.step(scheduler.schedule())
+            scheduler.add(held)
+            scheduler.add(late)
+            while scheduler.has_work:
+                plan = scheduler.schedule()
+                plans.append([(c.group.request_id, c.num_tokens) for c in plan.prefill])
+                engine.step(plan)
+        assert all(g.error is None for g in (seeder, decoding, held, late))
+        return plans, held.num_cached_tokens, [(g.sequences[0].token_ids, g.sequences[0].logprobs,
+                                                g.prompt_columns.logprobs) for g in (held, late)]
+
+    plans, hit, answers = run(cached)
+    assert 192 <= hit < 200 and len(seed) + 8 - hit <= 16
+    assert plans[0] == [("held", len(seed) + 8 - hit), ("late", 40 - (len(seed) + 8 - hit))], plans
+    plans, hit, alone = run(uncached)
+    assert hit == 0
+    assert plans[0] == [("held", 40)], plans
+    for (tokens, logprobs, prompt), (tokens0, logprobs0, prompt0) in zip(answers, alone):
+        assert tokens == tokens0 and np.array_equal(logprobs, logprobs0)
+        assert np.array_equal(prompt, prompt0, equal_nan=True)

@@ -155,6 +155,38 @@ def test_a_long_prompt_is_chunked_beside_decoding_groups():
     assert seen == [([("long", 16)], 16), ([("long", 16)], 32), ([("long", 8)], 40)]
 
 
+def test_the_tokens_the_prefix_cache_holds_are_computed_at_admission():
+    """The runner's `start_prompt` says, as a group is admitted to prefill, how many of its prompt's
+    tokens its prefix cache holds: they count as computed, so chunks cover the rest only and the step's
+    budget goes on to the next prompt, admission counts only the tokens still to run, and a prompt held
+    whole still runs its last token (its hidden state gives the first token)."""
+    held = {"gen": 0, "a": 30, "b": 0, "c": 100, "d": 50, "e": 0}
+    asked = []
+
+    def start_prompt(g):
+        asked.append(g.request_id)
+        return held[g.request_id]
+
+    scheduler = Scheduler(SchedulerSettings(prefill_tokens=60, max_prefilling=8), prefill_chunk_tokens=16,
+                          start_prompt=start_prompt)
+    scheduler.add(group("gen", 2, max_tokens=100))
+    run(scheduler, scheduler.schedule())
+    for name, n in (("a", 40), ("b", 40), ("c", 100), ("d", 60), ("e", 10)):
+        scheduler.add(group(name, n))
+    plan = scheduler.schedule()
+    # pending before each admission: a 0, b 10, c 50, d 51 (all < 60), e 61: e waits
+    assert names(scheduler.prefilling) == ["a", "b", "c", "d"] and names(scheduler.waiting) == ["e"]
+    assert asked == ["gen", "a", "b", "c", "d"]  # once each, as it was admitted
+    assert chunks(plan) == [("a", 10), ("b", 6)]  # a's 10 left, then the rest of the step's 16
+    seen = []
+    while plan is not None and (scheduler.prefilling or scheduler.waiting):
+        seen += chunks(plan)
+        run(scheduler, plan)
+        plan = scheduler.schedule()
+    ran = {name: sum(n for who, n in seen if who == name) for name in held}
+    assert ran == {"gen": 0, "a": 10, "b": 40, "c": 1, "d": 10, "e": 10}, seen
+
+
 def test_chunks_share_the_step_budget_in_order():
     scheduler = Scheduler(prefill_chunk_tokens=16)
     scheduler.add(group("gen", 2, max_tokens=100))

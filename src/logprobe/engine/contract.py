@@ -39,8 +39,11 @@ class Runner(Protocol):
         """The next chunk of each (group, budget)'s prompt; per group the log probabilities of its first
         token to generate ([1, V]) where its prompt is done, else None."""
 
-    def prefill_progress(self, group: SequenceGroup) -> int:
-        """Prompt tokens of the group already run (a kept prefix included)."""
+    def start_prompt(self, group: SequenceGroup) -> int:
+        """The group's prompt is admitted to prefill (`prefill_chunks` runs it from the next step on): the
+        runner takes what its prefix cache holds of it now, held for the group until `release`, and
+        returns how many prompt tokens that is (0 for a runner without a prefix cache). The scheduler
+        counts them computed, so chunks and budgets charge only the tokens still to run."""
 
     def cached_tokens(self, group: SequenceGroup) -> int:
         """Tokens of the group's prompt whose keys and values the runner took from its prefix cache

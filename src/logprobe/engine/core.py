@@ -56,7 +56,7 @@ class EngineCore:
         # a runner that prefills in chunks says how many tokens it takes per step beside decoding rows; one
         # that can stop between its blocks lets interactive steps into a batch pass
         self.scheduler = Scheduler(scheduling, prefill_chunk_tokens=runner.prefill_chunk_tokens,
-                                   interleaves=runner.interleaves)
+                                   interleaves=runner.interleaves, start_prompt=runner.start_prompt)
         self.outputs = OutputProcessor(info.context_length)
         self._block_tokens = 0  # padded tokens of an interactive prompt-only pass since its rows last decoded
         self._inbox: queue.SimpleQueue[SequenceGroup | None] = queue.SimpleQueue()

@@ -35,15 +35,17 @@ throughput and made its blocks, which an arriving stream's first token waits for
 (docs/performance.md, Mixed load).
 
 The scheduler keeps how many prompt tokens of each group have been computed
-(`SequenceGroup.num_computed_tokens`), counting a chunk as done when it plans it: a step that fails
-fails its groups (engine/core.py), so the count never runs ahead of a group that lives.
+(`SequenceGroup.num_computed_tokens`): from the prefix cache's hit when the group is admitted to
+prefill (`start_prompt`, the runner's: the tokens it holds already are not computed, so no chunk and
+no budget charges for them), then a chunk counted as done when it is planned: a step that fails fails
+its groups (engine/core.py), so the count never runs ahead of a group that lives.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from ...config import SchedulerSettings
 from .request import SequenceGroup
@@ -79,9 +81,11 @@ class Plan:
 
 class Scheduler:
     def __init__(self, settings: SchedulerSettings = SchedulerSettings(), prefill_chunk_tokens: int | None = None,
-                 interleaves: bool = False):
+                 interleaves: bool = False, start_prompt: Callable[[SequenceGroup], int] | None = None):
         """`settings`: the budgets (config.py); `prefill_chunk_tokens` and `interleaves`: what the runner
-        does (below)."""
+        does (below); `start_prompt`: the runner's, called as a group is admitted to prefill, returns the
+        prompt tokens its prefix cache holds (None: a scheduler without a runner, nothing cached)."""
+        self.start_prompt = start_prompt or (lambda group: 0)
         max_running, score_batch_tokens = settings.max_running, settings.score_batch_tokens
         max_score_batch, score_batch_tokens_decoding = settings.max_score_batch, settings.score_batch_tokens_decoding
         prefill_tokens, max_prefilling = settings.prefill_tokens, settings.max_prefilling
@@ -208,7 +212,7 @@ class Scheduler:
                     or (ahead and pending >= self.prefill_tokens):
                 break
             del self.waiting[i]
-            self.prefilling.append(group)
+            self._begin_prefill(group)
         prefilling = [g for g in self.prefilling if not g.is_batch]
         running = list(self.running) if decode else []
         if not (prefilling or running):
@@ -244,7 +248,14 @@ class Scheduler:
             pending = sum(g.num_prompt_tokens - g.num_computed_tokens for g in ahead)
             if len(ahead) >= self.max_prefilling or (ahead and pending >= self.prefill_tokens):
                 return
-            self.prefilling.append(self.waiting.popleft())
+            self._begin_prefill(self.waiting.popleft())
+
+    def _begin_prefill(self, group: SequenceGroup) -> None:
+        """Admitted: the tokens the prefix cache holds are computed, the rest are planned in chunks (at
+        least the last: its hidden state gives the first token)."""
+        held = self.start_prompt(group)
+        group.num_computed_tokens = min(max(0, held), group.num_prompt_tokens - 1)
+        self.prefilling.append(group)
 
     def _take_prompt_only(self) -> list[SequenceGroup]:
         """Consecutive waiting groups of one priority that only read their prompt, as many as fit one

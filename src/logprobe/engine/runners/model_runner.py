@@ -241,8 +241,8 @@ class ModelRunner:
     def on_idle(self) -> None:
         """Called when the engine has nothing to do."""
 
-    def prefill_progress(self, group: SequenceGroup) -> int:
-        """Prompt tokens of the group already prefilled (this runner prefills a prompt in one go)."""
+    def start_prompt(self, group: SequenceGroup) -> int:
+        """Nothing to take: this runner has no prefix cache and prefills a prompt in one go."""
         return 0
 
     def cached_tokens(self, group: SequenceGroup) -> int:

@@ -50,6 +50,7 @@ class PrefillState:
         self.store, self.hit = store, hit
         self.keys, self.values = store.keys, store.values
         self.done = start
+        self.begun = False  # whether a chunk has run (the first makes the prompt's columns)
         self.ids = torch.tensor(ids, dtype=torch.long, device=runner.device)
         self.prompt_ids = ids
 
@@ -90,13 +91,17 @@ def prefill_chunks(runner, chunks: list[tuple[SequenceGroup, int]]) -> list[torc
 
 def begin_chunks(runner, chunks: list[tuple[SequenceGroup, int]]) -> tuple[list, torch.Tensor, list]:
     """Each (group, budget)'s next chunk: (parts (state, start, stop), their ids packed [1, C], the
-    interventions' segments of the packed row). A group's first chunk makes its state (after its longest
-    kept prefix) and its prompt columns (the kept prefix's filled from its hidden states)."""
+    interventions' segments of the packed row). A group's state was made when it was admitted
+    (`LeanRunner.start_prompt`: after its longest kept prefix); its first chunk makes its prompt columns
+    (the kept prefix's filled from its hidden states)."""
     parts = []  # (state, start, stop)
     for group, budget in chunks:
         state = runner.prefill_state(group)
-        if state is None:
-            state = runner.start_prefill(group, PrefillState(runner, group))
+        if state is None:  # a caller that runs chunks without the scheduler's admission (tests, benchmarks)
+            runner.start_prompt(group)
+            state = runner.prefill_state(group)
+        if not state.begun:
+            state.begun = True
             if group.params.needs_prompt_logits:
                 group.prompt_columns = runner.columns.new(group.num_prompt_tokens, group.params)
                 if state.done:  # the kept prefix's own columns, from its hidden states

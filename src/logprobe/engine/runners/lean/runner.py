@@ -253,9 +253,13 @@ class LeanRunner:
         the log probabilities of its first token to generate ([1, V]) where its prompt is done, else None."""
         return prefill_chunks(self, chunks)
 
-    def prefill_progress(self, group: SequenceGroup) -> int:
+    def start_prompt(self, group: SequenceGroup) -> int:
+        """The prompt's prefill state, made now (lean/prefill.py): it starts after the longest prefix the
+        prefix cache holds of it, whose store it holds from here on; that many tokens are computed."""
         state = self.prefill_state(group)
-        return 0 if state is None else state.done
+        if state is None:
+            state = self.start_prefill(group, PrefillState(self, group))
+        return state.done
 
     def record(self, group) -> GroupRecord:
         """The group's record here, made at its first use."""
