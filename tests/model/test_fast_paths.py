@@ -120,6 +120,7 @@ def test_prompt_only_batch_of_unequal_lengths(tiny_model, tokenizer, reference):
     groups = [make(engine, p, max_tokens=0, echo=True, logprobs=4) for p in prompts]
     engine.runner.prefill_batch(groups)
     for g in groups:
+        g.prompt_columns = engine.runner.prompt_columns(g)  # what the engine's core does with them
         ref = reference.logprobs(g.prompt_ids).numpy()
         ids = g.prompt_ids
         np.testing.assert_allclose(g.prompt_columns.logprobs[1:], [ref[i - 1][ids[i]] for i in range(1, len(ids))],

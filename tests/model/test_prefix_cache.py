@@ -136,7 +136,7 @@ def columns(engine, prompts, params, interventions=()):
               for i, ids in enumerate(prompts)]
     with torch.inference_mode():
         engine.runner.prefill_batch(groups)
-    return [g.prompt_columns for g in groups]
+    return [engine.runner.prompt_columns(g) for g in groups]
 
 
 def counting(engine, monkeypatch) -> dict:

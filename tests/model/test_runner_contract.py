@@ -9,7 +9,9 @@ import ast
 import inspect
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from logprobe.engine import core
 from logprobe.engine.runners import lean
@@ -88,6 +90,7 @@ def test_groups_carry_no_runner_state(runners, tokenizer):
     table = TokenTable.build(tokenizer, runner.vocab_size)
     group = SequenceGroup("t", [1, 5, 6, 7, 8], SamplingParams(max_tokens=3), table)
     before = set(vars(group))
+    runner.start_prompt(group)
     assert runner.prefill_chunks([(group, 100)])[0] is not None
     group.active_rows = [0]
     runner.expand(group, 1)
@@ -96,3 +99,37 @@ def test_groups_carry_no_runner_state(runners, tokenizer):
     runner.release(group)
     assert not runner.records and runner.cache.num_rows == 0
     assert "cache" not in vars(group) and "rows" not in vars(group)
+
+
+@pytest.mark.parametrize("kind", ["lean", "transformers"])
+def test_runners_hand_the_prompt_columns_over(kind, runners, tokenizer):
+    """Neither runner writes a group's prompt columns: a prompt-only batch and a generation's prompt
+    (in chunks on the lean runner) leave `group.prompt_columns` unset, `prompt_columns(group)` hands
+    the columns over once (then None), and a released group's are gone."""
+    from logprobe.tokens import TokenTable
+
+    runner = runners[kind]
+    runner.reset()
+    table = TokenTable.build(tokenizer, runner.vocab_size)
+    scored = [SequenceGroup(f"s{i}", ids, SamplingParams(max_tokens=0, prompt_logprobs=2), table)
+              for i, ids in enumerate([[1, 5, 6, 7, 8], [1, 9, 10]])]
+    with torch.inference_mode():
+        runner.prefill_batch(scored)
+        assert all(g.prompt_columns is None for g in scored)
+        handed = [runner.prompt_columns(g) for g in scored]
+        assert [c.logprobs.shape for c in handed] == [(5,), (3,)]
+        assert all(runner.prompt_columns(g) is None for g in scored)
+        generated = SequenceGroup("g", [1, 5, 6, 7, 8, 9, 10], SamplingParams(max_tokens=2, prompt_logprobs=1), table)
+        runner.start_prompt(generated)
+        out = [runner.prefill_chunks([(generated, 3)])[0]]
+        while out[-1] is None:
+            out.append(runner.prefill_chunks([(generated, 3)])[0])
+        assert generated.prompt_columns is None
+        columns = runner.prompt_columns(generated)
+        assert columns.logprobs.shape == (7,) and np.isfinite(columns.logprobs[1:]).all()
+        # a group released before its columns were taken leaves none behind
+        dropped = SequenceGroup("d", [1, 5, 6], SamplingParams(max_tokens=0, prompt_logprobs=1), table)
+        runner.prefill_batch([dropped])
+        for g in [*scored, generated, dropped]:
+            runner.release(g)
+        assert runner.prompt_columns(dropped) is None

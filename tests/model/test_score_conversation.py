@@ -195,7 +195,7 @@ def test_per_position_ids_on_both_runners(fast, tiny_model, tokenizer, reference
     with torch.inference_mode():
         engine.runner.prefill_batch(groups)
     for group, ids, mine in zip(groups, prompts, asked):
-        extras = group.prompt_columns.extras
+        extras = engine.runner.prompt_columns(group).extras
         rows = reference.logprobs(ids)[:-1]
         for position, (want, row) in enumerate(zip(mine[1:], rows), start=1):
             np.testing.assert_allclose(extras.token_id_logprobs[position, :len(want)], row[list(want)].numpy(),

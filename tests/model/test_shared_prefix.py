@@ -31,7 +31,7 @@ def columns(engine, prompts, params):
     groups = [SequenceGroup(f"s{i}", ids, SamplingParams(**params), engine.table) for i, ids in enumerate(prompts)]
     with torch.inference_mode():
         engine.runner.prefill_batch(groups)
-    return [g.prompt_columns for g in groups]
+    return [engine.runner.prompt_columns(g) for g in groups]
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])

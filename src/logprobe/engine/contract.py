@@ -33,7 +33,8 @@ class Runner(Protocol):
 
     # ---- prompts ---------------------------------------------------------------------------
     def prefill_batch(self, groups: list[SequenceGroup]) -> None:
-        """Prompt-only groups (max_tokens 0): fill each one's prompt columns where it asks for them."""
+        """Prompt-only groups (max_tokens 0): make each one's prompt columns where it asks for them
+        (`prompt_columns` hands them over)."""
 
     def prefill_chunks(self, chunks: list[tuple[SequenceGroup, int]]) -> list[torch.Tensor | None]:
         """The next chunk of each (group, budget)'s prompt; per group the log probabilities of its first
@@ -44,6 +45,11 @@ class Runner(Protocol):
         runner takes what its prefix cache holds of it now, held for the group until `release`, and
         returns how many prompt tokens that is (0 for a runner without a prefix cache). The scheduler
         counts them computed, so chunks and budgets charge only the tokens still to run."""
+
+    def prompt_columns(self, group: SequenceGroup) -> PromptColumns | None:
+        """The columns the runner made of the group's prompt (None where it asks for none), handed over
+        once as the prompt is done (after `prefill_batch`, or the chunk that ends it): the host side
+        writes them on the group, the runner never does."""
 
     def cached_tokens(self, group: SequenceGroup) -> int:
         """Tokens of the group's prompt whose keys and values the runner took from its prefix cache

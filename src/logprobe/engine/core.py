@@ -246,6 +246,7 @@ class EngineCore:
                 self._per_request(chunk.group, self._prefilled, logprob_rows)
 
     def _prefilled(self, group: SequenceGroup, logprob_rows: torch.Tensor) -> None:
+        group.prompt_columns = self.runner.prompt_columns(group)
         group.num_cached_tokens = self.runner.cached_tokens(group)
         if group.params.max_tokens == 0:
             self.outputs.finish_prompt_only(group)
@@ -268,6 +269,7 @@ class EngineCore:
         else:
             self.runner.prefill_batch(groups)
         for group in groups:
+            group.prompt_columns = self.runner.prompt_columns(group)
             group.num_cached_tokens = self.runner.cached_tokens(group)
             self.outputs.finish_prompt_only(group)
             self._per_request(group, self._after_step)

@@ -56,6 +56,7 @@ class ModelRunner:
         self.cache_kw = cache_keyword(self.decoder)
         self.columns = PromptColumnWriter(self.logprobs_of, self.vocab_size)
         self.caches: dict[SequenceGroup, DynamicCache] = {}  # each running group's cache (transformers')
+        self.columns_of: dict[SequenceGroup, PromptColumns] = {}  # prompt columns until handed over
 
     @contextlib.contextmanager
     def edited(self, edit, positions: torch.Tensor):
@@ -96,7 +97,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(self, group: SequenceGroup) -> torch.Tensor:
-        """Run the prompt, keep its KV cache on the group, fill its prompt columns if asked, and return
+        """Run the prompt, keep its KV cache for the group, make its prompt columns if asked, and return
         the log probabilities of the first token to generate ([1, V])."""
         ids = torch.tensor([group.prompt_ids], dtype=torch.long, device=self.device)
         cache = DynamicCache(config=self.config)
@@ -106,13 +107,13 @@ class ModelRunner:
         check_cache_length(cache, ids.shape[1])
         self.caches[group] = cache
         if group.params.needs_prompt_logits:
-            group.prompt_columns = self.columns.whole(hidden, ids[0], group.params)
+            self.columns_of[group] = self.columns.whole(hidden, ids[0], group.params)
         return self.logprobs_of(hidden[-1:])
 
     @torch.inference_mode()
     def prefill_batch(self, groups: list[SequenceGroup]) -> None:
         """One forward pass for several prompt-only groups (right-padded, with an attention mask) that
-        fills each group's prompt columns. No KV cache is kept: nothing is generated."""
+        makes each group's prompt columns. No KV cache is kept: nothing is generated."""
         if len(groups) == 1:
             self.prefill(groups[0])
             self.caches.pop(groups[0], None)
@@ -130,7 +131,7 @@ class ModelRunner:
         for row, g in enumerate(groups):
             if g.params.needs_prompt_logits:
                 n = g.num_prompt_tokens
-                g.prompt_columns = self.columns.whole(hidden[row, :n], ids[row, :n], g.params)
+                self.columns_of[g] = self.columns.whole(hidden[row, :n], ids[row, :n], g.params)
 
     @torch.inference_mode()
     def decode(self, group: SequenceGroup, last_tokens: list[int]) -> torch.Tensor:
@@ -271,12 +272,17 @@ class ModelRunner:
     def select(self, group: SequenceGroup, keep: list[int]) -> None:
         self.caches[group].batch_select_indices(torch.tensor(keep, dtype=torch.long))
 
+    def prompt_columns(self, group: SequenceGroup) -> PromptColumns | None:
+        return self.columns_of.pop(group, None)
+
     def release(self, group) -> None:
         self.caches.pop(group, None)
+        self.columns_of.pop(group, None)
 
     def reset(self) -> None:
         """Drop every request's cache after a failed step (the engine has failed every group holding one)."""
         self.caches.clear()
+        self.columns_of.clear()
 
     def is_consistent(self, running: list[SequenceGroup]) -> bool:
         return all(g in self.caches for g in running)

@@ -103,9 +103,9 @@ def begin_chunks(runner, chunks: list[tuple[SequenceGroup, int]]) -> tuple[list,
         if not state.begun:
             state.begun = True
             if group.params.needs_prompt_logits:
-                group.prompt_columns = runner.columns.new(group.num_prompt_tokens, group.params)
+                columns = runner.record(group).columns = runner.columns.new(group.num_prompt_tokens, group.params)
                 if state.done:  # the kept prefix's own columns, from its hidden states
-                    runner.columns.fill(group.prompt_columns, state.store.hidden[:state.done], state.ids, 0)
+                    runner.columns.fill(columns, state.store.hidden[:state.done], state.ids, 0)
         parts.append((state, state.done, min(group.num_prompt_tokens, state.done + max(1, budget))))
     ids = torch.cat([state.ids[start:stop] for state, start, stop in parts])[None]
     segments, q0 = [], 0
@@ -116,15 +116,16 @@ def begin_chunks(runner, chunks: list[tuple[SequenceGroup, int]]) -> tuple[list,
 
 
 def finish_chunks(runner, chunks, parts, hidden: torch.Tensor) -> tuple[list[int | None], list[torch.Tensor]]:
-    """After the pass (`hidden`: [C, D] of the packed chunks): each chunk's prompt columns and hidden
-    states written, a finished prompt's blocks kept. (per chunk: None, or the index of its last hidden
+    """After the pass (`hidden`: [C, D] of the packed chunks): each chunk's prompt columns (the runner's
+    record of the group holds them) and hidden states written, a finished prompt's blocks kept. (per chunk: None, or the index of its last hidden
     state in `finished`; finished: [1, D] each, for the head)."""
     out, finished, q0 = [], [], 0
     for (group, _), (state, start, stop) in zip(chunks, parts):
         mine = hidden[q0:q0 + stop - start]
         q0 += stop - start
-        if group.prompt_columns is not None:
-            runner.columns.fill(group.prompt_columns, mine, state.ids, start)
+        columns = runner.record(group).columns
+        if columns is not None:
+            runner.columns.fill(columns, mine, state.ids, start)
         state.write_hidden(mine, start)
         state.done = stop
         out.append(None if stop < group.num_prompt_tokens else len(finished))

@@ -108,7 +108,7 @@ class PromptBatches:
             if len(rows) == 1 or params.prompt_logprobs == -1 or params.position_token_ids:
                 for row in rows:
                     n = lengths[row]
-                    groups[row].prompt_columns = runner.columns.whole(hidden[row, :n], ids[row, :n], params)
+                    runner.record(groups[row]).columns = runner.columns.whole(hidden[row, :n], ids[row, :n], params)
                 continue
             states = torch.cat([hidden[row, :lengths[row] - 1] for row in rows])  # each predicts the next token
             targets = torch.cat([ids[row, 1:lengths[row]] for row in rows])
@@ -118,7 +118,7 @@ class PromptBatches:
             for row in rows:
                 cols = runner.columns.new(lengths[row], params)
                 copy_shifted(together, start, cols, lengths[row] - 1)
-                groups[row].prompt_columns = cols
+                runner.record(groups[row]).columns = cols
                 start += lengths[row] - 1
 
     def run_shared(self, groups: list[SequenceGroup], clusters: list[tuple]) -> None:
@@ -164,7 +164,7 @@ class PromptBatches:
             full = torch.tensor(g.prompt_ids, dtype=torch.long, device=runner.device)
             mine = hidden[row, :own[row]]
             if row not in prefix_of:
-                g.prompt_columns = runner.columns.whole(mine, full, g.params)
+                runner.record(g).columns = runner.columns.whole(mine, full, g.params)
                 continue
             # Rows 1..P-1 (the prefix's own tokens) are the same for every prompt of the prefix: reduced
             # once per prefix and settings, copied; rows P.. (predicted from the prefix's last state on)
@@ -178,7 +178,7 @@ class PromptBatches:
             else:
                 copy_rows(filled, cols, 1, length)
             runner.columns.fill(cols, torch.cat([prefix_hidden[length - 1:], mine]), full, length - 1)
-            g.prompt_columns = cols
+            runner.record(g).columns = cols
         seeds.insert(hidden)
         for prefix, keys, values, prefix_hidden in ran:  # after the prompts' own blocks: a shared prefix
             runner.prefix_cache.insert(prefix, keys, values, prefix_hidden)  # one of them holds is not kept twice

@@ -39,6 +39,7 @@ class GroupRecord:
     rows: list[Row] = field(default_factory=list)
     tree: object = None  # lean/tree.py's TreeKV
     cached: int = 0  # prompt tokens taken from the prefix cache instead of a pass
+    columns: PromptColumns | None = None  # the prompt's columns, filled as its passes run, until handed over
 
 
 class LeanRunner:
@@ -276,6 +277,13 @@ class LeanRunner:
         record = self.record(group)
         record.prefill, record.cached = state, state.done  # it starts after what the prefix cache held
         return state
+
+    def prompt_columns(self, group: SequenceGroup) -> PromptColumns | None:
+        record = self.records.get(group)
+        if record is None:
+            return None
+        columns, record.columns = record.columns, None
+        return columns
 
     def cached_tokens(self, group: SequenceGroup) -> int:
         record = self.records.get(group)
