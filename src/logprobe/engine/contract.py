@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from .runners.interventions import Edits
+from .runners.prompt_columns import PromptColumnWriter
 from .host.request import PromptColumns, SequenceGroup
 
 
@@ -30,6 +31,9 @@ class Runner(Protocol):
     prefill_chunk_tokens: int | None
     # Whether a batch prompt-only pass can stop between its blocks for interactive steps (`interleaved`).
     interleaves: bool
+    # The writer of prompt columns over this runner's head (prompt_columns.py): the logit lens reads
+    # a layer's positions through it.
+    columns: PromptColumnWriter
 
     # ---- prompts ---------------------------------------------------------------------------
     def prefill_batch(self, groups: list[SequenceGroup]) -> None:
