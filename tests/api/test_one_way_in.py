@@ -13,6 +13,8 @@ from fastapi.testclient import TestClient
 from logprobe.api.serving import pipeline
 from logprobe.api.app import create_app
 from logprobe.api.errors import InvalidRequest
+from logprobe.api.serving.holding import Call, admit
+from logprobe.backend import BATCH, INTERACTIVE, GenerationRequest, SamplingParams
 from logprobe.batch import runner as batch_runner
 from logprobe.batch.store import Line
 from logprobe.config import BatchSettings, Limits
@@ -74,3 +76,35 @@ def test_an_id_outside_the_vocabulary_names_its_size(fake_client, path, field, b
     assert error["param"] == field
     assert error["message"] == (f"Invalid value for '{field}': token id 49152 is outside the vocabulary of "
                                 "49152 tokens (ids 0 to 49151).")
+
+
+def test_the_engine_requests_carry_the_callers_priority(fake_backend, tmp_path, monkeypatch):
+    """The pipeline builds the engine's requests with the caller's priority: a batch line's are "batch",
+    a choice list's scoring requests too (they run before the line's own, under a hold of their own), and
+    an HTTP request's "interactive". Taking the hold (`admit`) leaves them as they were built."""
+    seen = []
+    real = fake_backend.run
+
+    async def recording(requests):
+        seen.append([r.priority for r in requests])
+        return await real(requests)
+
+    monkeypatch.setattr(fake_backend, "run", recording)
+    body = {"model": "tiny", "prompt": "Pick:", "max_tokens": 2, "structured_outputs": {"choice": [" a", " b", " c"]}}
+    app = create_app(fake_backend, Limits())
+    with TestClient(app) as client:
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+    assert seen == [["interactive"] * 3, ["interactive"]]  # the three answers scored, then the request
+    seen.clear()
+    batch_runner.install(app, BatchSettings(data_dir=str(tmp_path)))
+    runner = batch_runner.BatchRunner(app, app.state.batch_store, 86400)
+    asyncio.run(runner._run_line(Line("batch_1", 0, "line-0", orjson.dumps(body), "anonymous", "/v1/completions")))
+    (result,) = runner.results
+    assert not result.is_error and orjson.loads(result.data)["response"]["status_code"] == 200
+    assert seen == [["batch"] * 3, ["batch"]]
+    # the hold waits in the queue of the call's priority, and leaves the requests as they were built
+    requests = [GenerationRequest("req_1", [256, 104], SamplingParams(max_tokens=1))]
+    hold = asyncio.run(admit(app.state.admission, Call("req_1", priority=BATCH), requests))
+    assert hold.priority == BATCH and requests[0].priority == INTERACTIVE
+    app.state.admission.release(hold, used=0)

@@ -25,7 +25,7 @@ from .errors import APIError, InternalError, InvalidAPIKey, Unavailable, error_r
 from .registry import add_request_bodies
 from .routes import router
 from .serving.admission import Admission
-from .serving.holding import ClientGone
+from .serving.holding import ClientGone, Notes
 from .serving.pipeline import Pipeline
 from .shell.metrics import Metrics
 
@@ -80,6 +80,7 @@ class Gate:
         info = scope.setdefault("state", {})
         info["request_id"] = request_id
         info["key_id"] = "anonymous"
+        notes = info["notes"] = Notes()  # the hold and the usage, written as the request runs (holding.py)
         started, status = False, 500
 
         async def send_with_id(message):
@@ -108,7 +109,7 @@ class Gate:
         finally:
             if not started:
                 status = 499  # the client left before an answer began
-            self._record(scope, info, path, status, time.perf_counter() - t0)
+            self._record(scope, info, notes, path, status, time.perf_counter() - t0)
 
     def _refusal(self, scope, info) -> APIError | None:
         """Why this request is refused before any handler runs, or None."""
@@ -146,12 +147,12 @@ class Gate:
         A 503 that says the engine is failing or draining is."""
         return status == 503 and self.state.backend is None
 
-    def _record(self, scope, info, path: str, status: int, seconds: float) -> None:
+    def _record(self, scope, info, notes: Notes, path: str, status: int, seconds: float) -> None:
         metrics = self.state.metrics
         label = route_label(scope)
         metrics.requests.labels(label, str(status)).inc()
         metrics.request_seconds.labels(label).observe(seconds)
-        usage = info.get("usage")
+        usage = notes.usage
         if usage is not None:
             metrics.prompt_tokens.inc(usage[0])
             metrics.completion_tokens.inc(usage[1])
@@ -161,7 +162,7 @@ class Gate:
                 "status": status, "key": info.get("key_id"), "ms": round(seconds * 1000, 1)}
         if usage is not None:
             line["prompt_tokens"], line["completion_tokens"] = usage
-        hold = info.get("hold")
+        hold = notes.hold
         if hold is not None:
             line["held_tokens"] = hold.tokens
             line["queue_ms"] = round(hold.queue_seconds * 1000, 1)

@@ -88,7 +88,7 @@ async def decided(run, backend, requests: list[GenerationRequest], limits: Limit
         raise InvalidRequest(f"No choice can be generated: every choice in '{PARAM}' spells a token that "
                              f"'{field}' rules out. Change one of the two.", PARAM)
     scoring = [GenerationRequest(r.request_id, list(r.prompt_ids) + ids,
-                                 SamplingParams(max_tokens=0, echo=True, logprobs=0))
+                                 SamplingParams(max_tokens=0, echo=True, logprobs=0), priority=r.priority)
                for r in requests for ids in answer_ids]
     (outputs,) = await run([(backend, scoring)])
     out = []

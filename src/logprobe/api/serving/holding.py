@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from starlette.responses import StreamingResponse
 
@@ -31,17 +32,31 @@ async def never_gone() -> None:
 
 
 @dataclass
+class Notes:
+    """What holding and running a request leave for whoever logs it (the HTTP gate's access log and
+    metrics): the hold it ran under, and the tokens it was charged, prompt and completion (a choice
+    list's scoring and the request's own run add to one count)."""
+
+    hold: Any = None  # admission.Hold (or the cluster's), None until admitted
+    usage: tuple[int, int] | None = None
+
+    def charge(self, prompt: int, completion: int) -> None:
+        before = self.usage or (0, 0)
+        self.usage = (before[0] + prompt, before[1] + completion)
+
+
+@dataclass
 class Call:
     """Who asks, as far as holding and running a request needs to know: the request id, the key whose
-    budget is charged, the priority (`interactive`, or `batch` for a batch line), `gone` (returns when
-    the caller has left: an HTTP client's disconnect), and `notes`, where the hold and the usage are
-    written for whoever logs the request (the HTTP gate's access log)."""
+    budget is charged, the priority (`interactive`, or `batch` for a batch line: the pipeline gives it
+    to the engine's requests as it builds them), `gone` (returns when the caller has left: an HTTP
+    client's disconnect), and the `Notes` written for whoever logs the request."""
 
     request_id: str
     key_id: str = "anonymous"
     priority: str = INTERACTIVE
     gone: Callable[[], Awaitable[None]] = never_gone
-    notes: dict = field(default_factory=dict)
+    notes: Notes = field(default_factory=Notes)
 
 
 def generated_so_far(jobs: list[tuple]) -> int:
@@ -111,12 +126,9 @@ async def admit(admission, call: Call, requests: list[GenerationRequest]):
     """Hold the request's tokens (waiting in the queue if need be); see admission.py. A client that
     leaves while its request waits takes it out of the queue at once (ClientGone: logged 499), so it
     blocks nobody behind it. A batch line's call has priority "batch": its hold waits in the batch
-    queue, and its requests carry the priority to the engine's scheduler."""
-    priority = call.priority
-    for r in requests:
-        r.priority = priority
+    queue (its requests were built with that priority, for the engine's scheduler)."""
     tokens = sum(r.held_tokens for r in requests)
-    acquiring = asyncio.ensure_future(admission.acquire(call.key_id, tokens, priority=priority))
+    acquiring = asyncio.ensure_future(admission.acquire(call.key_id, tokens, priority=call.priority))
     watcher = None
     try:
         await asyncio.sleep(0)  # acquire runs to its first wait: a request admitted at once is done here
@@ -137,7 +149,7 @@ async def admit(admission, call: Call, requests: list[GenerationRequest]):
         if watcher is not None:
             watcher.cancel()
     hold = acquiring.result()
-    call.notes["hold"] = hold
+    call.notes.hold = hold
     return hold
 
 
@@ -147,8 +159,7 @@ def release(admission, call: Call, hold, requests: list[GenerationRequest], comp
     usage for the access log and the metrics. The key's budget is charged the prompt tokens (x n) and
     the tokens generated, except for a request the backend lost (its replica died): only what it sent."""
     prompt = sum(r.num_prompt_tokens for r in requests)
-    before = call.notes.get("usage", (0, 0))  # a choice list's scoring ran first, under a hold of its own
-    call.notes["usage"] = (before[0] + prompt, before[1] + completion)
+    call.notes.charge(prompt, completion)  # a choice list's scoring ran first, under a hold of its own
     used = completion if lost else sum(r.num_prompt_tokens * r.params.n for r in requests) + completion
     admission.release(hold, used=used)
 

@@ -23,7 +23,7 @@ from ..errors import InvalidRequest, ModelNotFound, new_request_id
 from ..shell.json_body import json_response, read_json
 from . import choice_decision
 from .admission import AdmissionControl
-from .holding import Call, admit, run_held_jobs, run_jobs, stream_held
+from .holding import Call, Notes, admit, run_held_jobs, run_jobs, stream_held
 from .output_blocks import iter_body
 
 
@@ -130,23 +130,29 @@ class Pipeline:
         endpoint = endpoint.variant(req) or endpoint
         return endpoint, req, endpoint.resolve(req, self.resolve_model)
 
-    def build(self, endpoint: Endpoint, req, target, prepared, request_id: str) -> Checked:
-        """The caps and every check of `checks`, then the engine's requests."""
+    def build(self, endpoint: Endpoint, req, target, prepared, request_id: str,
+              priority: str = INTERACTIVE) -> Checked:
+        """The caps and every check of `checks`, then the engine's requests, each with the caller's
+        `priority` (a batch line's "batch" reaches the engine's scheduler on them)."""
         endpoint.check_caps(target, req, prepared, self.limits)
         for check in CHECKS if self.checks is None else self.checks:
             check(endpoint, target, req, prepared, self.limits)
-        return Checked(endpoint, req, target, prepared, endpoint.build_requests(target, req, prepared, request_id))
+        requests = endpoint.build_requests(target, req, prepared, request_id)
+        for request in requests:
+            request.priority = priority
+        return Checked(endpoint, req, target, prepared, requests)
 
-    def check(self, endpoint: Endpoint, body: dict, request_id: str) -> Checked:
+    def check(self, endpoint: Endpoint, body: dict, request_id: str, priority: str = INTERACTIVE) -> Checked:
         """Every check of a JSON body, in the caller's thread (a dataset job's rows)."""
         endpoint, req, target = self.parse(endpoint, body)
-        return self.build(endpoint, req, target, endpoint.tokenize(target, req), request_id)
+        return self.build(endpoint, req, target, endpoint.tokenize(target, req), request_id, priority)
 
-    async def prepare(self, endpoint: Endpoint, body: dict, request_id: str) -> Checked:
-        """Every check of a JSON body, tokenizing off the event loop (long texts)."""
+    async def prepare(self, endpoint: Endpoint, body: dict, call: Call) -> Checked:
+        """Every check of a JSON body, tokenizing off the event loop (long texts): the engine's requests
+        built with the call's id and priority."""
         endpoint, req, target = self.parse(endpoint, body)
         prepared = await run_in_threadpool(endpoint.tokenize, target, req)
-        return self.build(endpoint, req, target, prepared, request_id)
+        return self.build(endpoint, req, target, prepared, call.request_id, call.priority)
 
     # ---- running ---------------------------------------------------------------------------------
     async def run(self, checked: Checked, call: Call) -> Answer:
@@ -208,7 +214,7 @@ class Pipeline:
     async def answer(self, endpoint: Endpoint, body: dict, call: Call) -> bytes:
         """The JSON body a POST route answers for `body`, for a caller without an HTTP connection (a batch
         line, the score CLI): the same steps as `serve`; streaming is refused (param `stream`)."""
-        checked = await self.prepare(endpoint, body, call.request_id)
+        checked = await self.prepare(endpoint, body, call)
         if checked.endpoint.stream_formatters is not None and checked.req.stream:
             raise InvalidRequest("Invalid value for 'stream': a batch line is answered whole; streaming is not "
                                  "available in a batch. Remove 'stream' or set it to false.", "stream")
@@ -225,7 +231,7 @@ class Pipeline:
     async def serve(self, request: Request, endpoint: Endpoint) -> Response:
         """An HTTP POST route. Nothing is held or queued before every check has passed."""
         call = http_call(request)
-        checked = await self.prepare(endpoint, await read_json(request, self.limits), call.request_id)
+        checked = await self.prepare(endpoint, await read_json(request, self.limits), call)
         checked = await self.decide(checked, call)
         req, endpoint = checked.req, checked.endpoint
         if endpoint.stream_formatters is not None and req.stream:
@@ -249,8 +255,9 @@ def http_call(request: Request) -> Call:
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
+    notes = state.setdefault("notes", Notes())  # the gate's (app.py), which its access log reads
     return Call(state.get("request_id") or new_request_id(), state.get("key_id", "anonymous"),
-                state.get("priority", INTERACTIVE), disconnected, state)
+                state.get("priority", INTERACTIVE), disconnected, notes)
 
 
 async def serve(request: Request, endpoint: Endpoint) -> Response:
