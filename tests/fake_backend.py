@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from logprobe.backend import (RequestAborted, RequestConflict, Delta, GenerationOutput, GenerationRequest, ModelInfo,
-                              PositionColumns, PromptColumns, StreamEnd, finished_without_forward)
+                              PositionColumns, PromptColumns, StreamEnd, finished_without_forward, run_to_end)
 from logprobe.engine.host.captures import capture_residual
 from logprobe.engine.host.output_processor import OutputProcessor
 from logprobe.engine.host.picks import Pick
@@ -557,35 +557,31 @@ class FakeBackend:
 
     # ---- the Backend protocol ----------------------------------------------------------------
     async def run(self, requests: list[GenerationRequest]) -> list[GenerationOutput]:
-        self._record("run", requests)
-        groups = {i: group_for(r, self.table) for i, r in enumerate(requests) if r.params.needs_forward}
-        self._running += groups.values()
-        self.in_flight += len(groups)
-        try:
-            if self.gate is not None:
-                await self.gate()
-            steps = 0
-            while self._step_all(list(groups.values()), steps):  # sleeping between steps: a cancellation lands there
-                steps += 1
-                await asyncio.sleep(self.step_delay)
-        except asyncio.CancelledError:
-            self.cancelled.append([r.request_id for r in requests])
-            raise
-        finally:
-            self.in_flight -= len(groups)
-            for g in groups.values():
-                self._running.remove(g)
-        return [groups[i].output() if i in groups else finished_without_forward(r) for i, r in enumerate(requests)]
+        """The requests' outputs: the stream without deltas, drained (as the engine's run)."""
+        return await run_to_end(self, requests)
 
-    async def stream(self, requests: list[GenerationRequest], k: int):
+    async def stream(self, requests: list[GenerationRequest], k: int | None):
         """Lists of Delta after each step that released something (the engine's releasers), then a
-        StreamEnd; closing the iterator early ends the requests (recorded in `streams`)."""
-        self._record("stream", requests, k)
-        record = StreamRecord(list(requests))
-        self.streams.append(record)
-        del self.streams[:-self.KEEP]
-        groups = [SequenceGroup.from_request(r, self.table) for r in requests]
-        releasers = [releasers_of(g, k) for g in groups]
+        StreamEnd; closing the iterator early ends the requests (recorded in `streams`). With `k` None
+        (a request answered whole, recorded as a "run" call): no deltas, the outputs on the StreamEnd,
+        a request that needs no forward pass answered without a step, and a cancellation recorded in
+        `cancelled`."""
+        whole = k is None
+        if whole:
+            self._record("run", requests)
+        else:
+            self._record("stream", requests, k)
+        record = None
+        if whole:
+            groups = {i: group_for(r, self.table) for i, r in enumerate(requests) if r.params.needs_forward}
+            releasers = None
+        else:
+            record = StreamRecord(list(requests))
+            self.streams.append(record)
+            del self.streams[:-self.KEEP]
+            groups = {i: SequenceGroup.from_request(r, self.table) for i, r in enumerate(requests)}
+            releasers = [releasers_of(g, k) for g in groups.values()]
+        live = list(groups.values())
         released: list[list[Delta]] = []
 
         def on_step(i: int) -> None:
@@ -593,27 +589,35 @@ class FakeBackend:
             if deltas:
                 released.append(deltas)
 
-        self._running += groups
-        self.in_flight += len(groups)
+        self._running += live
+        self.in_flight += len(live)
         try:
             if self.gate is not None:
                 await self.gate()
             steps = 0
-            while self._step_all(groups, steps, on_step):
+            while self._step_all(live, steps, None if whole else on_step):  # a cancellation lands in the sleep
                 steps += 1
                 for deltas in released:
                     record.deltas += deltas
                     yield deltas
                 released.clear()
                 await asyncio.sleep(self.step_delay)
+            if whole:
+                yield StreamEnd.of([groups[i].output() if i in groups else finished_without_forward(r)
+                                    for i, r in enumerate(requests)])
+                return
             record.finished = True
-            yield StreamEnd([g.num_prompt_tokens for g in groups],
-                            [sum(len(s.token_ids) for s in g.sequences) for g in groups],
-                            [g.num_cached_tokens for g in groups])
+            yield StreamEnd([g.num_prompt_tokens for g in live], [sum(len(s.token_ids) for s in g.sequences) for g in live],
+                            [g.num_cached_tokens for g in live])
+        except asyncio.CancelledError:
+            if whole:
+                self.cancelled.append([r.request_id for r in requests])
+            raise
         finally:
-            record.closed = True
-            self.in_flight -= len(groups)
-            for g in groups:
+            if record is not None:
+                record.closed = True
+            self.in_flight -= len(live)
+            for g in live:
                 self._running.remove(g)
 
     def abort(self, request_id: str) -> None:

@@ -668,3 +668,57 @@ def test_abort_stops_a_request(slow):
 
     asyncio.run(main())
     assert backend.aborted == ["req_9"] and backend.stats()["in_flight"] == 0
+
+
+def without_ids(value):
+    """An answer without its ids and times, which differ between any two answers."""
+    if isinstance(value, dict):
+        return {k: without_ids(v) for k, v in value.items() if k not in ("id", "created", "created_at")}
+    if isinstance(value, list):
+        return [without_ids(v) for v in value]
+    return value
+
+
+class StreamOnly:
+    """A backend as the protocol declares it and no more: `run` is not there, so any path of the API that
+    still asked for it would fail."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __getattr__(self, name):
+        if name == "run":
+            raise AttributeError("run: not part of the Backend protocol")
+        return getattr(self._inner, name)
+
+
+def test_every_request_runs_through_the_backends_stream(tokenizer):
+    """The backend's stream is the one way the API runs requests: an answer sent whole drains the stream
+    without deltas (k None) to the outputs its end carries, a streamed one formats its deltas. Every
+    endpoint, on a backend without `run`, answers as on the one with it, and the backend saw one stream a
+    request (a choice list's scoring first)."""
+    inner = FakeBackend(tokenizer, name="test/tiny-llama", aliases=("tiny",), num_layers=2, d_model=64,
+                        context_length=256)
+    backend = StreamOnly(inner)
+    assert isinstance(backend, Backend)
+    bodies = [
+        ("/v1/completions", {"prompt": "Hello there", "max_tokens": 4, "logprobs": 2, "echo": True}),
+        ("/v1/completions", {"prompt": "Pick:", "max_tokens": 2, "structured_outputs": {"choice": [" a", " b"]}}),
+        ("/v1/completions", {"prompt": "Hello", "max_tokens": 0}),  # nothing to compute: answered at once
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}),
+        ("/v1/score", {"input": ["one text", "another text"]}),
+        ("/v1/tree", {"prompt": "Once", "depth": 2, "branches": 2}),
+        ("/v1/responses", {"input": "Hi", "max_output_tokens": 3}),
+    ]
+    with TestClient(create_app(inner, Limits())) as plain, TestClient(create_app(backend, Limits())) as only:
+        for path, body in bodies:
+            body = {"model": "tiny", **body, **({} if path in ("/v1/score", "/v1/tree") else {"temperature": 0})}
+            expected, got = plain.post(path, json=body), only.post(path, json=body)
+            assert got.status_code == expected.status_code == 200, (path, got.text)
+            assert without_ids(got.json()) == without_ids(expected.json()), path
+        kinds = [c.kind for c in inner.calls]
+        assert set(kinds) == {"run"}, kinds  # the fake records a stream without deltas as "run"
+        streamed = only.post("/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 4,
+                                                      "stream": True})
+        assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")
+        assert inner.calls[-1].kind == "stream"

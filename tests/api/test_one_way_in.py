@@ -83,13 +83,13 @@ def test_the_engine_requests_carry_the_callers_priority(fake_backend, tmp_path, 
     a choice list's scoring requests too (they run before the line's own, under a hold of their own), and
     an HTTP request's "interactive". Taking the hold (`admit`) leaves them as they were built."""
     seen = []
-    real = fake_backend.run
+    real = fake_backend.stream
 
-    async def recording(requests):
+    def recording(requests, k):
         seen.append([r.priority for r in requests])
-        return await real(requests)
+        return real(requests, k)
 
-    monkeypatch.setattr(fake_backend, "run", recording)
+    monkeypatch.setattr(fake_backend, "stream", recording)
     body = {"model": "tiny", "prompt": "Pick:", "max_tokens": 2, "structured_outputs": {"choice": [" a", " b", " c"]}}
     app = create_app(fake_backend, Limits())
     with TestClient(app) as client:

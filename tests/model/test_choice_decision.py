@@ -260,13 +260,13 @@ def test_the_answers_reach_the_engine_as_score_inputs_do(client, tiny_engine, mo
     (inputs after the prompt as context), so the scheduler serves a request sent beside it as it would
     beside that /v1/score, and no differently (the cap above bounds both alike)."""
     runs = []
-    real = tiny_engine.run
+    real = tiny_engine.stream
 
-    async def recording(requests):
+    def recording(requests, k):  # the engine's one path: a request answered whole drains it (k None)
         runs.append([(len(r.prompt_ids), r.params.max_tokens, r.params.n, r.priority) for r in requests])
-        return await real(requests)
+        return real(requests, k)
 
-    monkeypatch.setattr(tiny_engine, "run", recording)
+    monkeypatch.setattr(tiny_engine, "stream", recording)
     answers = [f" {i}" for i in range(200)]
     prompt = "Pick a number:"
     post(client, prompt=prompt, max_tokens=3, temperature=0, structured_outputs={"choice": answers})

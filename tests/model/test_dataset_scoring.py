@@ -295,13 +295,13 @@ def test_each_row_is_a_request_of_its_own(rows, tiny_engine, monkeypatch):
     from logprobe.datasets import score
 
     seen = []
-    run = tiny_engine.run
+    stream = tiny_engine.stream
 
-    async def recording(requests):
+    def recording(requests, k):  # the engine's one path: a request answered whole drains it (k None)
         seen.append([r.request_id for r in requests])
-        return await run(requests)
+        return stream(requests, k)
 
-    monkeypatch.setattr(tiny_engine, "run", recording)
+    monkeypatch.setattr(tiny_engine, "stream", recording)
     score([r["text"] for r in rows[:12] if r["text"]], engine=tiny_engine, progress=False)
     score(["one more row", "and another"], engine=tiny_engine, progress=False)
     ids = [rid for call in seen for rid in call]

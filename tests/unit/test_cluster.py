@@ -406,18 +406,17 @@ def test_the_application_reads_settings_without_the_cli(ray_app):
 def test_a_replica_carries_a_requests_conflict_back_as_its_400(ray_app):
     """A request whose own fields leave nothing to generate fails on the replica with RequestConflict:
     it comes back as the 400 the ingress answers (Ray would otherwise wrap it as an exception whose
-    fields do not survive), run or streamed, and the replica's hold is given back."""
+    fields do not survive), answered whole (a stream without deltas) or streamed, and the replica's hold
+    is given back."""
     from logprobe.backend import GenerationRequest, RequestConflict, SamplingParams
 
     conflict = RequestConflict("Invalid request: 'allowed_token_ids' and 'bad_words' together allow no token at "
                                "generated token 2, ...", "allowed_token_ids")
 
     class Engine:
-        async def run(self, requests):
-            raise conflict
-
         async def stream(self, requests, k):
-            yield ["first"]
+            if k is not None:
+                yield ["first"]
             raise conflict
 
         def stop(self):
@@ -428,12 +427,13 @@ def test_a_replica_carries_a_requests_conflict_back_as_its_400(ray_app):
     request = GenerationRequest("r", [1, 2], SamplingParams(max_tokens=3))
 
     async def both():
-        ran = await replica.run([request])
+        whole = [event async for event in replica.stream([request], None)]
         streamed = [event async for event in replica.stream([request], 0)]
-        return ran, streamed
+        return whole, streamed
 
-    ran, streamed = asyncio.run(both())
-    assert streamed[0] == ["first"] and len(streamed) == 2
+    whole, streamed = asyncio.run(both())
+    assert streamed[0] == ["first"] and len(streamed) == 2 and len(whole) == 1
+    ran = whole[0]
     for refusal in (ran, streamed[1]):
         err = refusal.error()
         assert (err.status, err.code, err.param, err.message) == (400, "invalid_request", "allowed_token_ids",

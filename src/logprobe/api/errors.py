@@ -11,6 +11,8 @@ import secrets
 import orjson
 from starlette.responses import Response
 
+from ..backend import BackendUnavailable, RequestConflict
+
 
 def new_request_id() -> str:
     return "req_" + secrets.token_hex(16)
@@ -80,6 +82,29 @@ class Unavailable(APIError):
     status = 503
     type = "server_error"
     code = "unavailable"
+
+
+class BackendLost(Unavailable):
+    """503 `unavailable`: the backend lost the request (its replica died); nothing is charged for it."""
+
+
+def timed_out(timeout: float) -> Timeout:
+    """The 504 of a request that ran past the request time-out, streamed or not."""
+    return Timeout(f"The request ran longer than this server's limit of {timeout:g} s (request_timeout) and "
+                   "was stopped.")
+
+
+def backend_error(exc: BaseException) -> APIError | None:
+    """The envelope's error for what a backend raised, streamed or not: a request whose own fields leave
+    nothing to generate (RequestConflict) is its 400; a lost replica (BackendUnavailable) a 503; None for
+    anything else (a server fault: a 500 without internals, and logged)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, RequestConflict):
+        return InvalidRequest(exc.message, exc.param)
+    if isinstance(exc, BackendUnavailable):
+        return BackendLost(str(exc) or "The model replica serving this request went away; try again.")
+    return None
 
 
 def error_body(message: str, type: str, param: str | None, code: str, request_id: str) -> bytes:

@@ -163,11 +163,20 @@ class Delta:
 
 @dataclass
 class StreamEnd:
-    """The last item of a stream: every request finished (usage is read from it)."""
+    """The last item of a stream: every request finished (usage is read from it). A stream without
+    deltas (`Backend.stream(requests, None)`: a request answered whole) carries every request's
+    `GenerationOutput` here, in the order of the requests."""
 
     num_prompt_tokens: list[int]
     num_generated: list[int]
     num_cached_tokens: list[int] | None = None  # per request, as GenerationOutput's (None: 0 each)
+    outputs: list[GenerationOutput] | None = None
+
+    @classmethod
+    def of(cls, outputs: list[GenerationOutput]) -> "StreamEnd":
+        """The end of a stream without deltas: its counts read off the outputs."""
+        return cls([o.num_prompt_tokens for o in outputs], [o.num_generated for o in outputs],
+                   [o.num_cached_tokens for o in outputs], outputs)
 
 
 def finished_without_forward(request: GenerationRequest) -> GenerationOutput:

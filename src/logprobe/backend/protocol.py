@@ -67,10 +67,12 @@ class Backend(Protocol):
 
     - `info`, `tokenizer` (a transformers tokenizer: the API tokenizes, renders chat templates and
       checks lengths before anything is queued) and `table` (each token's text and bytes);
-    - `run`: run requests to the end; cancelling the awaiting task aborts them (the backend drops them
-      before their next step). Raises the request's error, or BackendUnavailable;
-    - `stream`: the same, as an async iterator of lists of `Delta` (one list per step that released
-      something) ending with a `StreamEnd`; closing the iterator early aborts the requests;
+    - `stream`: the one way to run requests: an async iterator of lists of `Delta` (one list per step
+      that released something, each choice's tokens with `k` alternatives), ending with a `StreamEnd`.
+      With `k` None it releases no deltas and its `StreamEnd` carries every request's whole
+      `GenerationOutput` (a request answered whole: `run_to_end`). Closing the iterator early, or
+      cancelling the task that awaits it, aborts the requests (the backend drops them before their next
+      step). Raises the request's error (RequestConflict), or BackendUnavailable;
     - `abort`: stop the requests with this id wherever they are;
     - `stats`: numbers for /health and /metrics: `in_flight`, `steps`, `kv_cache_bytes`, `failing`,
       `step_failures`, `request_failures` and, after a failure, `last_error` ({"type", "at"});
@@ -88,9 +90,7 @@ class Backend(Protocol):
     table: TokenTable
     steps_here: bool
 
-    async def run(self, requests: list[GenerationRequest]) -> list[GenerationOutput]: ...
-
-    def stream(self, requests: list[GenerationRequest], k: int) -> AsyncIterator[list[Delta] | StreamEnd]: ...
+    def stream(self, requests: list[GenerationRequest], k: int | None) -> AsyncIterator[list[Delta] | StreamEnd]: ...
 
     def abort(self, request_id: str) -> None: ...
 
@@ -102,3 +102,19 @@ class Backend(Protocol):
                 on_failure: Callable[[str], None] | None) -> None: ...
 
     def collector(self) -> Any | None: ...
+
+
+async def run_to_end(backend: Backend, requests: list[GenerationRequest]) -> list[GenerationOutput]:
+    """Run requests to the end through the backend's one path, its stream without deltas, and return
+    the outputs its `StreamEnd` carries. Cancelling the awaiting task aborts them (the stream is closed)."""
+    events = backend.stream(requests, None)
+    end = None
+    try:
+        async for event in events:
+            if isinstance(event, StreamEnd):
+                end = event
+    finally:
+        await events.aclose()
+    if end is None or end.outputs is None:
+        raise RuntimeError("the backend's stream ended without the requests' outputs")
+    return end.outputs

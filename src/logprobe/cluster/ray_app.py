@@ -4,8 +4,8 @@ The application has two deployments:
 
 - `ModelReplica` (N of them, or an autoscaled range): each loads the model, runs an `Engine` and holds
   its own capacity (`max_tokens_in_flight`) around it. It speaks the backend seam (backend/): it
-  takes `GenerationRequest`s and returns `GenerationOutput`s, or streams `Delta`s, all plain picklable
-  records. Every second it reports its stats and engine metrics to the `ClusterState` actor.
+  takes `GenerationRequest`s and streams `Delta`s, or for a request answered whole only the end with its
+  `GenerationOutput`s, all plain picklable records. Every second it reports its stats and engine metrics to the `ClusterState` actor.
 - `Ingress` (one by default): the logprobe HTTP app itself (api/app.py: checks, tokenization, formats,
   errors, keys) on a `RayBackend` (ray_backend.py), which sends each request to a replica through a Serve handle (Serve
   routes it to a replica that has room: `max_ongoing_requests`). Its admission is `SharedAdmission`:
@@ -164,18 +164,9 @@ class ModelReplica:
         except APIError as exc:
             return None, Refusal(exc)
 
-    async def run(self, requests: list[GenerationRequest]):
-        hold, refusal = await self._hold(requests)
-        if refusal is not None:
-            return refusal
-        try:
-            return await self.engine.run(requests)
-        except RequestConflict as exc:  # the request's own fields disagree: its 400, carried back as data
-            return conflict_refusal(exc)
-        finally:
-            self.admission.release(hold, used=0)
-
-    async def stream(self, requests: list[GenerationRequest], k: int):
+    async def stream(self, requests: list[GenerationRequest], k: int | None):
+        """The engine's stream (k None: no deltas, the outputs on its end), under the replica's own hold;
+        a refusal, or a request whose own fields disagree (its 400), is carried back as data."""
         hold, refusal = await self._hold(requests)
         if refusal is not None:
             yield refusal

@@ -18,7 +18,7 @@ from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from ..backend import BackendUnavailable, GenerationOutput, GenerationRequest
+from ..backend import BackendUnavailable, GenerationRequest
 from .state import STALE_S
 
 log = logging.getLogger("logprobe.cluster")
@@ -164,19 +164,10 @@ class RayBackend:
         finally:
             self._untrack(request_id, response)
 
-    async def run(self, requests: list[GenerationRequest]) -> list[GenerationOutput]:
-        response = self.handle.run.remote(requests)
-        with self._call(requests, response):
-            try:
-                result = await response
-            except asyncio.CancelledError:
-                response.cancel()  # Serve cancels the replica's task: the engine drops the requests
-                raise
-        if isinstance(result, Refusal):
-            raise result.error()
-        return result
-
-    async def stream(self, requests: list[GenerationRequest], k: int):
+    async def stream(self, requests: list[GenerationRequest], k: int | None):
+        """The replica's stream through a streaming handle call (k None: its end carries the outputs);
+        closing it early, or cancelling the task that awaits it, cancels the call, and Serve cancels
+        the replica's task: the engine drops the requests."""
         response = self.handle.options(stream=True).stream.remote(requests, k)
         finished = False
         try:

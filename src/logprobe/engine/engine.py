@@ -13,7 +13,8 @@ import threading
 from collections.abc import AsyncIterator
 
 from ..config import SchedulerSettings
-from ..backend import Delta, GenerationOutput, GenerationRequest, ModelInfo, StreamEnd, finished_without_forward
+from ..backend import (Delta, GenerationOutput, GenerationRequest, ModelInfo, StreamEnd, finished_without_forward,
+                       run_to_end)
 from .core import EngineCore
 from .host.heap import trim_heap
 from .host.request import SequenceGroup
@@ -177,22 +178,27 @@ class Engine(EngineCore):
 
     # ---- the Backend protocol (backend/) -------------------------------------------------
     async def run(self, requests: list[GenerationRequest]) -> list[GenerationOutput]:
-        """Run requests to the end; one that needs no forward pass is answered without queueing.
-        Cancelling the awaiting task aborts them."""
-        groups = {i: group_for(r, self.table) for i, r in enumerate(requests) if r.params.needs_forward}
-        with self._tracked(groups.values()):
-            await self.run_groups(list(groups.values()))
-        return [groups[i].output() if i in groups else finished_without_forward(r) for i, r in enumerate(requests)]
+        """Run requests to the end: the stream without deltas, drained (backend.run_to_end)."""
+        return await run_to_end(self, requests)
 
-    async def stream(self, requests: list[GenerationRequest], k: int) -> AsyncIterator[list[Delta] | StreamEnd]:
-        """Lists of Delta as steps release tokens, then a StreamEnd. Closing the iterator early (the
-        client went away, a time-out) aborts the requests: the engine drops them before their next step."""
+    async def stream(self, requests: list[GenerationRequest],
+                     k: int | None) -> AsyncIterator[list[Delta] | StreamEnd]:
+        """Lists of Delta as steps release tokens (each choice's with `k` alternatives), then a StreamEnd.
+        With `k` None, no deltas: the StreamEnd carries every request's output, and a request that needs
+        no forward pass is answered without queueing. Closing the iterator early (the client went away, a
+        time-out) or cancelling the task that awaits it aborts the requests: the engine drops them before
+        their next step."""
         loop = asyncio.get_running_loop()
-        groups = [SequenceGroup.from_request(r, self.table) for r in requests]
+        whole = k is None
+        if whole:
+            groups = {i: group_for(r, self.table) for i, r in enumerate(requests) if r.params.needs_forward}
+        else:
+            groups = {i: SequenceGroup.from_request(r, self.table) for i, r in enumerate(requests)}
         queue: asyncio.Queue = asyncio.Queue()
-        attach_releasers(groups, k, loop, queue)
-        with self._tracked(groups):
-            done = asyncio.gather(*self.submit(groups))
+        if not whole:
+            attach_releasers(list(groups.values()), k, loop, queue)
+        with self._tracked(groups.values()):
+            done = asyncio.gather(*self.submit(list(groups.values())))
             getter = None
             try:
                 while True:
@@ -207,13 +213,17 @@ class Engine(EngineCore):
                     if done.exception() is not None:
                         raise done.exception()
                     break
-                yield StreamEnd([g.num_prompt_tokens for g in groups],
-                                [sum(len(s.token_ids) for s in g.sequences) for g in groups],
-                                [g.num_cached_tokens for g in groups])
+                if whole:
+                    yield StreamEnd.of([groups[i].output() if i in groups else finished_without_forward(r)
+                                        for i, r in enumerate(requests)])
+                else:
+                    yield StreamEnd([g.num_prompt_tokens for g in groups.values()],
+                                    [sum(len(s.token_ids) for s in g.sequences) for g in groups.values()],
+                                    [g.num_cached_tokens for g in groups.values()])
             finally:
                 if getter is not None and not getter.done():
                     getter.cancel()
-                for group in groups:
+                for group in groups.values():
                     if not group.is_finished:
                         group.is_aborted = True
                 if not done.done():

@@ -13,13 +13,9 @@ from typing import Any
 
 from starlette.responses import StreamingResponse
 
-from ...backend import INTERACTIVE, BackendUnavailable, GenerationOutput, GenerationRequest, RequestConflict
-from ..errors import InvalidRequest, Timeout, Unavailable
+from ...backend import INTERACTIVE, GenerationOutput, GenerationRequest, run_to_end
+from ..errors import BackendLost, backend_error, timed_out
 from ..shell.sse import stream_sse
-
-
-class BackendLost(Unavailable):
-    """503 `unavailable`: the backend lost the request (its replica died); nothing is charged for it."""
 
 
 class ClientGone(Exception):
@@ -70,9 +66,10 @@ def generated_so_far(jobs: list[tuple]) -> int:
 
 
 async def run_jobs(jobs: list[tuple]) -> list[list[GenerationOutput]]:
-    """Run each (backend, requests) job at the same time; when one fails or the whole is cancelled, the
-    others are cancelled too (their backends abort them), and waited for."""
-    tasks = [asyncio.ensure_future(backend.run(requests)) for backend, requests in jobs]
+    """Run each (backend, requests) job at the same time, each through its backend's stream drained to its
+    end (backend.run_to_end); when one fails or the whole is cancelled, the others are cancelled too
+    (their backends abort them), and waited for."""
+    tasks = [asyncio.ensure_future(run_to_end(backend, requests)) for backend, requests in jobs]
     try:
         return list(await asyncio.gather(*tasks))
     finally:
@@ -90,7 +87,7 @@ async def run_jobs_while_connected(call: Call, jobs: list[tuple], timeout: float
     shutdown, a batch line stopped) aborts them too, and the cancellation goes on as it came. However a
     run is stopped, `on_stop` is first told the tokens generated for it until then."""
     single = len(jobs) == 1  # one backend: its own run, without a wrapping task
-    run = asyncio.ensure_future(jobs[0][0].run(jobs[0][1]) if single else run_jobs(jobs))
+    run = asyncio.ensure_future(run_to_end(*jobs[0]) if single else run_jobs(jobs))
 
     async def stop() -> None:
         if on_stop is not None:
@@ -112,14 +109,14 @@ async def run_jobs_while_connected(call: Call, jobs: list[tuple], timeout: float
         if watcher.done() and not watcher.cancelled():
             raise ClientGone()
         # asyncio.wait returned with neither done: only the time-out ends it so (timeout is a number here)
-        raise Timeout(f"The request ran longer than this server's limit of {timeout:g} s "
-                      "(request_timeout) and was stopped.")
+        raise timed_out(timeout)
     try:
         return [run.result()] if single else run.result()
-    except BackendUnavailable as exc:
-        raise BackendLost(str(exc) or "The model replica serving this request went away; try again.") from None
-    except RequestConflict as exc:  # its own fields leave nothing to generate: the request's mistake
-        raise InvalidRequest(exc.message, exc.param) from None
+    except Exception as exc:
+        error = backend_error(exc)  # the request's mistake (400) or a lost replica (503), as a stream's
+        if error is None or error is exc:
+            raise
+        raise error from None
 
 
 async def admit(admission, call: Call, requests: list[GenerationRequest]):

@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator, Callable
 
 import orjson
 
-from ...backend import BackendUnavailable, Delta, GenerationRequest, RequestConflict, StreamEnd
-from ..errors import APIError, InternalError, InvalidRequest, Timeout, Unavailable, error_body
+from ...backend import BackendUnavailable, Delta, GenerationRequest, StreamEnd
+from ..errors import APIError, InternalError, backend_error, error_body, timed_out
 
 log = logging.getLogger("logprobe.stream")
 DONE = b"data: [DONE]\n\n"
@@ -54,8 +54,7 @@ async def stream_sse(backend, requests: list[GenerationRequest], k: int, request
             except StopAsyncIteration:
                 break
             except asyncio.TimeoutError:
-                raise Timeout(f"The request ran longer than this server's limit of {timeout:g} s "
-                              "(request_timeout) and was stopped.") from None
+                raise timed_out(timeout) from None
             if isinstance(event, StreamEnd):
                 end = event
                 continue
@@ -81,13 +80,10 @@ async def stream_sse(backend, requests: list[GenerationRequest], k: int, request
 
 
 def api_error_of(exc: Exception, request_id: str) -> APIError:
-    """The envelope's error for a backend's failure: a request whose own fields leave nothing to generate
-    (RequestConflict) is a 400; a lost replica 503; anything else 500, without internals."""
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, RequestConflict):
-        return InvalidRequest(exc.message, exc.param)
-    if isinstance(exc, BackendUnavailable):
-        return Unavailable(str(exc) or "The model replica serving this request went away; try again.")
+    """The envelope's error for a backend's failure (errors.backend_error, as an answer sent whole gets
+    it); anything else 500, without internals, and logged."""
+    error = backend_error(exc)
+    if error is not None:
+        return error
     log.error("stream failed (%s)", request_id, exc_info=exc)
     return InternalError("The server had an error while processing your request.")
