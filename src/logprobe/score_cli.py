@@ -44,7 +44,8 @@ def answer_in_process(engine, body: dict) -> dict:
     from .config import Limits
 
     try:
-        return orjson.loads(asyncio.run(Pipeline(Limits(), backends=[engine]).answer(SCORE, body, Call("cli"))))
+        answer = asyncio.run(Pipeline(Limits(), backends=[engine]).answer_whole(SCORE, body, Call("cli")))
+        return answer.payload  # /v1/score's answer has no parts to splice in
     except APIError as exc:
         raise SystemExit(f"logprobe score: {exc.message}") from None
 

@@ -81,7 +81,6 @@ def empty_record(row_id: str, options: ScoreOptions) -> dict:
     return record
 
 
-def asked_columns(entry: dict) -> dict:
-    """A /v1/score entry's asked ids' numbers as the record's columns."""
-    block = entry["logprob_token_ids"]
+def asked_columns(block: dict) -> dict:
+    """A /v1/score entry's `logprob_token_ids` block as the record's columns."""
     return {"asked_logprobs": block["logprobs"], "asked_ranks": block["ranks"]}

@@ -166,7 +166,7 @@ class RemoteScorer:
         if self.options.stats:
             record["entropy"] = entry["position_stats"]["entropy"]
         if self.options.asked:
-            record.update(asked_columns(entry))
+            record.update(asked_columns(entry["logprob_token_ids"]))
         return record
 
 

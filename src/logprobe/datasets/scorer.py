@@ -1,5 +1,7 @@
 """Scoring rows in process: each row a /v1/score request through the API's pipeline (api/serving/pipeline.py)
-on an engine of this process, so a row passes the same checks as a request and its numbers are the API's.
+on an engine of this process, so a row passes the same checks as a request (its body, read by the same
+parser with the contract's messages) and its numbers are the API's: each row's entry is read typed
+(`ScoreEntry`, what the API writes as JSON), never out of a formatted answer.
 
 All rows of a call go to the engine at once (`Pipeline.run_together`), sorted so that rows with the same
 context sit together (the prefix cache keeps a shared context's keys and values) and lengths grow
@@ -10,6 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..api.score.serving import ScoreEntry
+from ..api.score.serving import entries as score_entries
 from .columns import ScoreOptions, asked_columns, empty_record, error_record, summary, to_table
 from .io import DatasetError, Prepared, Row
 from .job import run_sync
@@ -103,9 +107,11 @@ class InProcessScorer:
                       key=lambda p: (p.row.context or "", p.num_tokens))
         records: dict[int, dict] = {}
         if todo:
-            answers = await self.pipeline.run_together([p.item for p in todo], Call(new_request_id()))
+            answers = await self.pipeline.run_together([p.item for p in todo], Call(new_request_id()), formatted=False)
             for p, answer in zip(todo, answers):
-                records[p.row.index] = self._record(p, answer.payload["data"][0], answer.outputs[0].prompt_columns)
+                checked = p.item
+                (entry,) = score_entries(checked.target, checked.req, checked.prepared, answer.outputs)
+                records[p.row.index] = self._record(p, entry, answer.outputs[0].prompt_columns)
         for p in prepared:
             if p.error is not None:
                 records[p.row.index] = error_record(p.row.id, p.error)
@@ -122,14 +128,15 @@ class InProcessScorer:
         return to_table(run_sync(self.run(prepared)), self.options)
 
     # ---- helpers ------------------------------------------------------------------------------
-    def _record(self, p: Prepared, entry: dict, columns) -> dict:
-        """One row's record from its /v1/score entry and, for top-k and entropy, the engine's columns."""
+    def _record(self, p: Prepared, entry: ScoreEntry, columns) -> dict:
+        """One row's record from its /v1/score entry (typed, as the API computes it) and, for top-k, the
+        engine's columns."""
         opts, item = self.options, p.item.prepared[0]
         first = item.first
-        record = summary(p.row.id, entry["num_tokens"], entry["logprob"], entry["mean_logprob"], entry["perplexity"])
+        record = summary(p.row.id, entry.num_tokens, entry.logprob, entry.mean_logprob, entry.perplexity)
         if opts.tokens:
-            record.update(tokens=entry["tokens"], token_ids=entry["token_ids"],
-                          token_logprobs=entry["token_logprobs"], ranks=entry["token_ranks"])
+            record.update(tokens=entry.tokens, token_ids=entry.token_ids, token_logprobs=entry.token_logprobs,
+                          ranks=entry.token_ranks)
         scored = slice(first, len(item.token_ids))
         unpredicted = first == 0  # nothing predicts the first token: its entries are null
         if opts.top:
@@ -142,9 +149,9 @@ class InProcessScorer:
                 for name in ("top_ids", "top_tokens", "top_logprobs"):
                     record[name][0] = None
         if opts.stats:
-            record["entropy"] = entry["position_stats"]["entropy"]
+            record["entropy"] = entry.blocks["position_stats"]["entropy"]
         if opts.asked:
-            record.update(asked_columns(entry))
+            record.update(asked_columns(entry.blocks["logprob_token_ids"]))
         return record
 
 

@@ -113,10 +113,44 @@ def build_requests(backend, req: ScoreRequest, items: list[ScoreItem], request_i
             for it, p in zip(items, position_ids.params_of(req.logprob_token_ids, items, params))]
 
 
-def format_response(backend, req: ScoreRequest, items: list[ScoreItem], requests: list[GenerationRequest],
-                    outputs: list[GenerationOutput]) -> tuple[dict, None]:
+@dataclass
+class ScoreEntry:
+    """One /v1/score entry as the API computes it, typed: what an in-process caller (a dataset job) reads,
+    and what `to_json` writes as the answer's entry. `blocks` holds the asked blocks after the numbers
+    (`constraint`, `position_stats`, `logprob_token_ids`, `residual_stream`), as the answer writes them."""
+
+    index: int
+    message_index: int | None
+    tokens: list  # each token's string (or `token_id:N`)
+    token_ids: list[int]
+    token_logprobs: list  # float, or None for a first token nothing predicts
+    token_ranks: list  # int, or None as above
+    text_offset: list[int]
+    top_logprobs: list | None  # with `top_logprobs`: a {token: logprob} per position
+    logprob: float
+    mean_logprob: float | None
+    perplexity: float | None
+    num_tokens: int
+    is_greedy: bool
+    blocks: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        turn = {} if self.message_index is None else {"message_index": self.message_index}
+        entry = {"index": self.index, **turn, "tokens": self.tokens, "token_ids": self.token_ids,
+                 "token_logprobs": self.token_logprobs, "token_ranks": self.token_ranks,
+                 "text_offset": self.text_offset}
+        if self.top_logprobs is not None:
+            entry["top_logprobs"] = self.top_logprobs
+        entry.update({"logprob": self.logprob, "mean_logprob": self.mean_logprob, "perplexity": self.perplexity,
+                      "num_tokens": self.num_tokens, "is_greedy": self.is_greedy})
+        entry.update(self.blocks)
+        return entry
+
+
+def entries(backend, req: ScoreRequest, items: list[ScoreItem], outputs: list[GenerationOutput]) -> list[ScoreEntry]:
+    """Each entry's numbers from the engine's outputs: only the input's tokens are scored."""
     namer = TokenNamer(backend.table.strings, req.return_tokens_as_token_ids)
-    data, total = [], 0
+    out_entries = []
     for index, (item, out) in enumerate(zip(items, outputs)):
         pc = out.prompt_columns
         sl = slice(item.first, len(item.token_ids))
@@ -135,29 +169,30 @@ def format_response(backend, req: ScoreRequest, items: list[ScoreItem], requests
         token_ranks = pc.ranks[sl].tolist()
         if item.first == 0:
             token_ranks[0] = None
-        turn = {} if item.message_index is None else {"message_index": item.message_index}
-        entry = {"index": index, **turn, "tokens": shaped["tokens"], "token_ids": ids.tolist(),
-                 "token_logprobs": shaped["token_logprobs"], "token_ranks": token_ranks,
-                 "text_offset": shaped["text_offset"]}
-        if req.top_logprobs is not None:
-            entry["top_logprobs"] = shaped["top_logprobs"]
-        entry.update({"logprob": total_lp, "mean_logprob": mean,
-                      "perplexity": _perplexity(mean),
-                      "num_tokens": num, "is_greedy": bool(np.all(ranks == 1))})
+        blocks = {}
         if req.constraint is not None:
-            entry["constraint"] = constrained_scoring.block(item.constraint_check, pc.full, ids, item.first)
+            blocks["constraint"] = constrained_scoring.block(item.constraint_check, pc.full, ids, item.first)
         if req.position_stats:
             entropy = pc.extras.entropy[sl].astype(np.float64).tolist()
             if item.first == 0:
                 entropy[0] = None  # nothing predicts the first token
-            entry["position_stats"] = {"entropy": entropy}
+            blocks["position_stats"] = {"entropy": entropy}
         if req.logprob_token_ids:
-            entry["logprob_token_ids"] = position_ids.block(req, index, pc.extras, sl, item.first == 0)
+            blocks["logprob_token_ids"] = position_ids.block(req, index, pc.extras, sl, item.first == 0)
         if req.residual is not None:  # the input's tokens, in the order of the lists above
-            entry["residual_stream"] = residual_of(backend, req.residual, out.choices[0], sl)
-        data.append(entry)
-        total += len(item.token_ids)
-    return {"object": "list", "model": backend.info.name, "data": data,
+            blocks["residual_stream"] = residual_of(backend, req.residual, out.choices[0], sl)
+        out_entries.append(ScoreEntry(
+            index, item.message_index, shaped["tokens"], ids.tolist(), shaped["token_logprobs"], token_ranks,
+            shaped["text_offset"], shaped["top_logprobs"] if req.top_logprobs is not None else None, total_lp,
+            mean, _perplexity(mean), num, bool(np.all(ranks == 1)), blocks))
+    return out_entries
+
+
+def format_response(backend, req: ScoreRequest, items: list[ScoreItem], requests: list[GenerationRequest],
+                    outputs: list[GenerationOutput]) -> tuple[dict, None]:
+    total = sum(len(item.token_ids) for item in items)
+    return {"object": "list", "model": backend.info.name,
+            "data": [entry.to_json() for entry in entries(backend, req, items, outputs)],
             "usage": {"prompt_tokens": total, "total_tokens": total}}, None
 
 

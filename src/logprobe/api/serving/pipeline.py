@@ -160,9 +160,11 @@ class Pipeline:
         (answer,) = await self.run_together([checked], call)
         return answer
 
-    async def run_together(self, many: list[Checked], call: Call) -> list[Answer]:
+    async def run_together(self, many: list[Checked], call: Call, formatted: bool = True) -> list[Answer]:
         """Several checked requests under one hold, each model's requests in one run of its backend (a
-        dataset job's chunk: the engine batches them as it would one request of many inputs)."""
+        dataset job's chunk: the engine batches them as it would one request of many inputs). Without
+        `formatted`, the answers carry the engine's outputs and no payload (a caller in this process
+        reads them typed: a dataset job's rows)."""
         jobs: dict[tuple, tuple] = {}  # (id(backend), the job's index in its request) -> (backend, requests)
         spans = []  # per checked request: (job key, first, end) for each of its jobs
         for checked in many:
@@ -179,7 +181,7 @@ class Pipeline:
         answers = []
         for checked, mine in zip(many, spans):
             outputs = [o for key, first, end in mine for o in by_backend[key][first:end]]  # in the order of requests
-            answers.append(await self._format(checked, outputs, hold))
+            answers.append(await self._format(checked, outputs, hold) if formatted else Answer(None, None, outputs, hold))
         return answers
 
     async def _run_jobs(self, jobs: list[tuple], call: Call):
@@ -211,15 +213,20 @@ class Pipeline:
             raise
         return Answer(payload, parts, outputs, hold)
 
-    async def answer(self, endpoint: Endpoint, body: dict, call: Call) -> bytes:
-        """The JSON body a POST route answers for `body`, for a caller without an HTTP connection (a batch
-        line, the score CLI): the same steps as `serve`; streaming is refused (param `stream`)."""
+    async def answer_whole(self, endpoint: Endpoint, body: dict, call: Call) -> Answer:
+        """The answer a POST route gives `body`, for a caller without an HTTP connection (a batch line, the
+        score CLI): the same steps as `serve`; streaming is refused (param `stream`). Its payload is the
+        answer's JSON as objects (with `parts` to splice in, for prompt log probabilities)."""
         checked = await self.prepare(endpoint, body, call)
         if checked.endpoint.stream_formatters is not None and checked.req.stream:
             raise InvalidRequest("Invalid value for 'stream': a batch line is answered whole; streaming is not "
                                  "available in a batch. Remove 'stream' or set it to false.", "stream")
         checked = await self.decide(checked, call)
-        answer = await self.run(checked, call)
+        return await self.run(checked, call)
+
+    async def answer(self, endpoint: Endpoint, body: dict, call: Call) -> bytes:
+        """`answer_whole` as the JSON body's bytes (a batch line's response body)."""
+        answer = await self.answer_whole(endpoint, body, call)
         try:
             if answer.parts:
                 return await run_in_threadpool(lambda: b"".join(iter_body(answer.payload, answer.parts)))
