@@ -681,15 +681,31 @@ def without_ids(value):
 
 class StreamOnly:
     """A backend as the protocol declares it and no more: `run` is not there, so any path of the API that
-    still asked for it would fail."""
+    still asked for it would fail. Each member is written out (not found through `__getattr__`): from
+    Python 3.12 on, a runtime-checkable protocol's isinstance looks attributes up statically."""
 
     def __init__(self, inner):
         self._inner = inner
+        self.info, self.tokenizer, self.table = inner.info, inner.tokenizer, inner.table
+        self.steps_here = inner.steps_here
 
-    def __getattr__(self, name):
-        if name == "run":
-            raise AttributeError("run: not part of the Backend protocol")
-        return getattr(self._inner, name)
+    def stream(self, requests, k):
+        return self._inner.stream(requests, k)
+
+    def abort(self, request_id):
+        return self._inner.abort(request_id)
+
+    def stats(self):
+        return self._inner.stats()
+
+    def generated(self, request_id):
+        return self._inner.generated(request_id)
+
+    def observe(self, on_step, on_failure):
+        return self._inner.observe(on_step, on_failure)
+
+    def collector(self):
+        return self._inner.collector()
 
 
 def test_every_request_runs_through_the_backends_stream(tokenizer):
