@@ -4,8 +4,9 @@ engine), an interactive request is admitted at once and its prompt runs in the n
 first token with it; every batch line is still answered. Steps are counted, never seconds: the engine
 is held between steps while the requests are placed.
 
-A batch line reaches admission as the batch runner sends it: a request whose `request.state.priority`
-is "batch" (api/serving/holding.py `admit`). Here a middleware sets it from a test header."""
+A batch line is sent as the batch runner sends it: through the app's pipeline with a `Call` of
+priority "batch" (batch/runner.py); the interactive request comes over HTTP, whose calls are always
+interactive."""
 
 from __future__ import annotations
 
@@ -13,27 +14,20 @@ import asyncio
 import threading
 
 import httpx
+import orjson
 import pytest
 
 from logprobe.api.app import create_app
+from logprobe.api.errors import new_request_id
+from logprobe.api.registry import COMPLETIONS
+from logprobe.api.serving.holding import Call
+from logprobe.backend import BATCH
 from logprobe.config import Limits
 from logprobe.engine.engine import Engine
 from paused_engine import paused_after
 
 NUM_LINES = 200
 PATIENCE_S = 300  # how long a wait for the engine may take before the test fails (a hang, not a speed check)
-
-
-class BatchHeader:
-    """Marks a request as a batch line, as the batch runner does, when it carries `x-test-priority: batch`."""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and (b"x-test-priority", b"batch") in scope.get("headers", []):
-            scope.setdefault("state", {})["priority"] = "batch"
-        await self.app(scope, receive, send)
 
 
 class Steps:
@@ -118,10 +112,11 @@ def test_an_interactive_request_runs_in_the_next_step_among_200_batch_lines(engi
     engine.submit = record_submit
 
     async def main():
-        transport = httpx.ASGITransport(app=BatchHeader(app))
+        transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=None) as client:
-            lines = [asyncio.ensure_future(client.post("/v1/completions", json=line_body(i),
-                                                       headers={"x-test-priority": "batch"}))
+            pipeline = app.state.pipeline
+            lines = [asyncio.ensure_future(pipeline.answer(COMPLETIONS, line_body(i),
+                                                           Call(new_request_id(), priority=BATCH)))
                      for i in range(NUM_LINES)]
             await until(lambda: engine.num_in_flight + admission.batch_queue_depth == NUM_LINES,
                         "the batch lines to be queued")
@@ -151,9 +146,10 @@ def test_an_interactive_request_runs_in_the_next_step_among_200_batch_lines(engi
     assert first == num_plans  # ... and its prompt is in that plan, with no batch prompt beside it
     assert all(priority == "interactive" for _, priority in steps.plans[first]["prompt"])
     assert steps.first_plan(request_id, "decode") == first + 1  # its first token came with its prompt
-    assert [r.status_code for r in answers] == [200] * NUM_LINES
-    for i, r in enumerate(answers):  # every line answered in full
-        choice, usage = r.json()["choices"][0], r.json()["usage"]
+    assert len(answers) == NUM_LINES  # every line answered (an error would have been raised)
+    for i, body in enumerate(answers):  # ... in full
+        body = orjson.loads(body)
+        choice, usage = body["choices"][0], body["usage"]
         if i >= NUM_LINES - 10:  # the prompt, echoed with its log probabilities
             assert usage["completion_tokens"] == 0 and len(choice["logprobs"]["tokens"]) == usage["prompt_tokens"]
         else:

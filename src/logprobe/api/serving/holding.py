@@ -1,8 +1,9 @@
-"""Holding and running admitted requests: `admit` takes a request's hold (api/serving/admission.py decides when
-it fits), `run_held_jobs` runs the requests while the caller is there and within the time-out,
-`stream_held` streams them, and `release` gives the hold back and records the usage, however the
-request ends (finished, failed, timed out, caller gone, cancelled by shutdown). Each is given what it
-needs (the admission, the time-out, the `Call`): nothing is read from an HTTP request."""
+"""Holding and running admitted requests. `Held` is a request under its hold, the one wrapper around
+every run: `Held.take` takes the hold (`admit`; api/serving/admission.py decides when it fits),
+`Held.run` runs the requests to their end while the caller is there and within the time-out,
+`Held.stream` streams them, and the hold is given back, with the usage recorded (`release`), however
+the request ends (finished, failed, timed out, caller gone, cancelled by shutdown). Each is given what
+it needs (the admission, the time-out, the `Call`): nothing is read from an HTTP request."""
 
 from __future__ import annotations
 
@@ -179,73 +180,88 @@ class HeldStream(StreamingResponse):
             self.on_close()
 
 
-async def run_held_jobs(admission, call: Call, jobs: list[tuple], timeout: float | None):
-    """Hold the tokens of every (backend, requests) job at once (one hold: the capacity counts them
-    all), run the jobs, give the hold back. Returns the hold and each job's outputs."""
-    requests = [r for _, job_requests in jobs for r in job_requests]
-    hold = await admit(admission, call, requests)
-    results, lost, generated = None, False, 0
+class Held:
+    """One request under its hold, from admission to release: the one wrapper for every backend (in
+    process, Ray Serve replicas, the test double) around a run answered whole (`run`) or streamed
+    (`stream`). It holds the request's time-out, its abort (the caller gone, the task cancelled: the
+    backend's stream is closed), the mapping of the backend's errors (api/errors.py `backend_error`) and
+    its usage: `release` gives the hold back once, however the run ended, charging the prompt and the
+    tokens generated until then (only those when the backend lost the request)."""
 
-    def stopped(count: int) -> None:  # client gone, time-out or cancellation: what ran is charged too
-        nonlocal generated
-        generated = count
+    def __init__(self, admission, call: Call, requests: list[GenerationRequest], timeout: float | None):
+        self.admission, self.call, self.requests, self.timeout = admission, call, requests, timeout
+        self.hold = None
+        self.completion = 0  # tokens generated so far, charged on release
+        self.lost = False  # the backend lost the requests (a replica died)
+        self._released = False
 
-    try:
-        results = await run_jobs_while_connected(call, jobs, timeout, stopped)
-        generated = sum(o.num_generated for outputs in results for o in outputs)
-    except BackendLost:
-        lost = True
-        raise
-    finally:
-        release(admission, call, hold, requests, generated, lost)
-    return hold, results
+    @classmethod
+    async def take(cls, admission, call: Call, requests: list[GenerationRequest], timeout: float | None) -> Held:
+        """The request's hold, waiting in the queue if need be (`admit`)."""
+        held = cls(admission, call, requests, timeout)
+        held.hold = await admit(admission, call, requests)
+        return held
 
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            release(self.admission, self.call, self.hold, self.requests, self.completion, self.lost)
 
-async def stream_held(admission, call: Call, backend, requests, hold, k: int, format_deltas, final_chunks,
-                      timeout: float | None, **framing) -> StreamingResponse:
-    """The streamed answer of requests already admitted (`hold`): SSE chunks as the backend releases
-    tokens; the hold is given back, and the usage recorded, when the stream ends however it ends.
+    def _stopped(self, generated: int) -> None:  # client gone, time-out or cancellation: what ran is charged
+        self.completion = generated
 
-    The status goes out with the first chunk, not before: until the first token is picked an error is
-    still the request's own status (an impossible constraint at the first token: 400, a lost replica:
-    503), not a 200 followed by an error event. A client that leaves meanwhile aborts the requests.
-    `framing`: stream_sse's `error_event` and `done`, for a route whose stream ends its own way."""
-    usage = {"completion": 0, "lost": False}
+    async def run(self, jobs: list[tuple]) -> list[list[GenerationOutput]]:
+        """Each (backend, requests) job run to its end (their requests are this hold's), and the hold given
+        back however that ends."""
+        try:
+            results = await run_jobs_while_connected(self.call, jobs, self.timeout, self._stopped)
+            self.completion = sum(o.num_generated for outputs in results for o in outputs)
+            return results
+        except BackendLost:
+            self.lost = True
+            raise
+        finally:
+            self.release()
 
-    def on_end(end, released, lost):
-        usage["completion"] = sum(end.num_generated) if end is not None else released
-        usage["lost"] = lost
+    async def stream(self, backend, k: int, format_deltas, final_chunks, **framing) -> StreamingResponse:
+        """The streamed answer: SSE chunks as the backend releases tokens; the hold is given back when the
+        stream ends however it ends, even if its body is never iterated.
 
-    def close():
-        release(admission, call, hold, requests, usage["completion"], usage["lost"])
+        The status goes out with the first chunk, not before: until the first token is picked an error is
+        still the request's own status (an impossible constraint at the first token: 400, a lost replica:
+        503), not a 200 followed by an error event. A client that leaves meanwhile aborts the requests.
+        `framing`: stream_sse's `error_event` and `done`, for a route whose stream ends its own way."""
+        def on_end(end, released, lost):
+            self.completion = sum(end.num_generated) if end is not None else released
+            self.lost = lost
 
-    gen = stream_sse(backend, requests, k, call.request_id, format_deltas, final_chunks, timeout=timeout,
-                     on_end=on_end, **framing)
-    first = asyncio.ensure_future(anext(gen))
-    watcher = asyncio.ensure_future(call.gone())
-    try:
-        await asyncio.wait({first, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if not first.done():
+        gen = stream_sse(backend, self.requests, k, self.call.request_id, format_deltas, final_chunks,
+                         timeout=self.timeout, on_end=on_end, **framing)
+        first = asyncio.ensure_future(anext(gen))
+        watcher = asyncio.ensure_future(self.call.gone())
+        try:
+            await asyncio.wait({first, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not first.done():
+                first.cancel()
+                await asyncio.gather(first, return_exceptions=True)
+                raise ClientGone()
+            head = first.result()  # the first chunk, or the error before it
+        except BaseException:
             first.cancel()
             await asyncio.gather(first, return_exceptions=True)
-            raise ClientGone()
-        head = first.result()  # the first chunk, or the error before it
-    except BaseException:
-        first.cancel()
-        await asyncio.gather(first, return_exceptions=True)
-        await gen.aclose()
-        close()
-        raise
-    finally:
-        watcher.cancel()
-
-    async def body():
-        try:
-            yield head
-            async for chunk in gen:
-                yield chunk
-        finally:  # however the response ends: the backend's stream is closed (aborting what still runs)
             await gen.aclose()
+            self.release()
+            raise
+        finally:
+            watcher.cancel()
 
-    return HeldStream(body(), close, media_type="text/event-stream",
-                      headers={"cache-control": "no-cache", "x-accel-buffering": "no", **hold.headers})
+        async def body():
+            try:
+                yield head
+                async for chunk in gen:
+                    yield chunk
+            finally:  # however the response ends: the backend's stream is closed (aborting what still runs)
+                await gen.aclose()
+
+        return HeldStream(body(), self.release, media_type="text/event-stream",
+                          headers={"cache-control": "no-cache", "x-accel-buffering": "no", **self.hold.headers})

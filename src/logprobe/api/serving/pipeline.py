@@ -23,7 +23,7 @@ from ..errors import InvalidRequest, ModelNotFound, new_request_id
 from ..shell.json_body import json_response, read_json
 from . import choice_decision
 from .admission import AdmissionControl
-from .holding import Call, Notes, admit, run_held_jobs, run_jobs, stream_held
+from .holding import Call, Held, Notes, run_jobs
 from .output_blocks import iter_body
 
 
@@ -188,7 +188,9 @@ class Pipeline:
         """(hold, results): (backend, requests) jobs run under one hold (none without admission)."""
         if self.admission is None:
             return None, await run_jobs(jobs)
-        return await run_held_jobs(self.admission, call, jobs, self.request_timeout())
+        held = await Held.take(self.admission, call, [r for _, requests in jobs for r in requests],
+                               self.request_timeout())  # one hold: the capacity counts every job's requests
+        return held.hold, await held.run(jobs)
 
     async def decide(self, checked: Checked, call: Call) -> Checked:
         """A checked request with what must run before it decided: a `choice` list's answer, from each
@@ -244,9 +246,8 @@ class Pipeline:
         if endpoint.stream_formatters is not None and req.stream:
             format_deltas, final_chunks, *framing = endpoint.stream_formatters(checked.target, req, checked.prepared,
                                                                                checked.requests)
-            hold = await admit(self.admission, call, checked.requests)
-            return await stream_held(self.admission, call, checked.target, checked.requests, hold,
-                                     req.params.logprobs or 0, format_deltas, final_chunks, self.request_timeout(),
+            held = await Held.take(self.admission, call, checked.requests, self.request_timeout())
+            return await held.stream(checked.target, req.params.logprobs or 0, format_deltas, final_chunks,
                                      **(framing[0] if framing else {}))
         answer = await self.run(checked, call)
         return with_headers(await body_response(answer.payload, answer.parts, endpoint.whole_vocab(req),
@@ -254,8 +255,9 @@ class Pipeline:
 
 
 def http_call(request: Request) -> Call:
-    """An HTTP request as the pipeline's caller: the gate's request id and key, gone when the client
-    disconnects, and the hold and usage noted where the gate's access log reads them."""
+    """An HTTP request as the pipeline's caller: the gate's request id and key, interactive (a batch line
+    is a call of the batch runner's, batch/runner.py), gone when the client disconnects, and the hold and
+    usage noted where the gate's access log reads them."""
     state = request.scope.setdefault("state", {})
 
     async def disconnected() -> None:  # the body was read already
@@ -264,7 +266,7 @@ def http_call(request: Request) -> Call:
 
     notes = state.setdefault("notes", Notes())  # the gate's (app.py), which its access log reads
     return Call(state.get("request_id") or new_request_id(), state.get("key_id", "anonymous"),
-                state.get("priority", INTERACTIVE), disconnected, notes)
+                INTERACTIVE, disconnected, notes)
 
 
 async def serve(request: Request, endpoint: Endpoint) -> Response:

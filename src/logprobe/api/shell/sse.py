@@ -32,7 +32,7 @@ async def stream_sse(backend, requests: list[GenerationRequest], k: int, request
     """Run requests on the backend and yield SSE bytes: formatted deltas as they come, then
     `final_chunks(end)` and `done` (`[DONE]`; None: nothing, as the Responses API ends). An error before
     the first chunk is raised as the APIError its status says (api_error_of: the handler answers it;
-    holding.stream_held waits for the first chunk before it sends a status); after it, it is sent as an
+    holding.Held.stream waits for the first chunk before it sends a status); after it, it is sent as an
     error event: the error envelope in a `data:` line, or what `error_event(error)` writes. If the client
     goes away (this generator is closed or cancelled) or the stream runs past `timeout` seconds, the
     backend's stream is closed, which aborts the requests. `on_end(end or None, tokens released, lost)` is
