@@ -89,3 +89,41 @@ def test_residual_errors(client):
     r = client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "stream": True,
                                               "output_residual_stream": [0]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "output_residual_stream"
+
+
+@pytest.mark.parametrize("max_tokens", [4, 0])
+def test_captures_are_an_item_of_the_step_after_the_last_token(client, reference, tiny_engine, max_tokens):
+    """A request's captures are an item of the engine's plan (Plan.captures): read in the step after the
+    one that gave its last token (or read its prompt), once, and its answer goes out with them; a request
+    beside it that asks for none is never in a plan's captures. The vectors are the float64 forward's."""
+    plans = []
+    schedule = tiny_engine.scheduler.schedule
+
+    def recording(*args, **kwargs):
+        plan = schedule(*args, **kwargs)
+        if plan is not None:
+            plans.append({kind: {g.request_id for g in getattr(plan, kind)} for kind in ("score", "decode", "captures")}
+                         | {"prefill": {c.group.request_id for c in plan.prefill}})
+        return plan
+
+    tiny_engine.scheduler.schedule = recording
+    try:
+        plain = client.post("/v1/completions", json={"model": "tiny", "prompt": "No captures here", "max_tokens": 3,
+                                                     "temperature": 0})
+        out = client.post("/v1/completions", json={
+            "model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "echo": True,
+            "logprobs": 0, "return_tokens_as_token_ids": True,
+            "output_residual_stream": {"layers": [1], "dtype": "float32", "encoding": "base64"}})
+    finally:
+        del tiny_engine.scheduler.schedule  # the class's method again
+    assert plain.status_code == out.status_code == 200, out.text
+    rid, other = out.headers["x-request-id"], plain.headers["x-request-id"]
+    worked = [i for i, plan in enumerate(plans) if any(rid in plan[kind] for kind in ("score", "prefill", "decode"))]
+    captured = [i for i, plan in enumerate(plans) if rid in plan["captures"]]
+    assert worked and captured == [worked[-1] + 1]
+    assert not any(other in plan["captures"] for plan in plans)
+    choice = out.json()["choices"][0]
+    ids = [int(t.split(":")[1]) for t in choice["logprobs"]["tokens"]]
+    assert len(ids) == 4 + max_tokens and choice["residual_stream"]["num_positions"] == len(ids)
+    np.testing.assert_allclose(decode(choice["residual_stream"], 1), hidden64(reference, ids)[1], atol=TOL)

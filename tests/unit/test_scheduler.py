@@ -297,6 +297,43 @@ def test_a_group_that_finishes_with_its_prompt_does_not_decode():
     assert not scheduler.has_work and g.num_computed_tokens == 3
 
 
+def test_a_finished_groups_captures_are_an_item_of_the_next_plan():
+    """A group that finished and asked for captures leaves the step's queues, stays in flight, and the
+    next plan carries it (Plan.captures) beside the other work; a plan of captures alone is a plan.
+    An interactive step between a batch pass's blocks takes only interactive groups' captures."""
+    scheduler = Scheduler()
+    done, other, lines = group("done", 3, max_tokens=8), group("other", 3, max_tokens=8), batch("line", 3, 8)
+    for g in (done, other, lines):
+        scheduler.add(g)
+    while len(scheduler.running) < 3:
+        run(scheduler, scheduler.schedule())
+    for g in (done, lines):
+        g.sequences[0].finish_reason = FinishReason.LENGTH
+        scheduler.capture(g)
+    assert scheduler.num_in_flight == 3 and scheduler.has_interactive_work
+    assert names(scheduler.running) == ["other"] and names(scheduler.capturing) == ["done", "line"]
+    plan = scheduler.schedule(interactive_only=True)
+    assert names(plan.captures) == ["done"] and names(plan.decode) == ["other"]
+    assert names(scheduler.capturing) == ["line"]  # a batch group's captures wait for a whole step
+    scheduler.finished(done)
+    other.is_aborted = True
+    plan = scheduler.schedule()
+    assert names(plan.captures) == ["line"] and other not in plan.groups and lines in plan.groups
+    scheduler.finished(lines)
+    assert scheduler.schedule() is None and not scheduler.has_work and scheduler.num_in_flight == 0
+
+
+def test_an_aborted_group_waiting_for_its_captures_is_dropped():
+    scheduler = Scheduler()
+    g = group("gone", 3, max_tokens=1)
+    scheduler.add(g)
+    run(scheduler, scheduler.schedule())
+    g.sequences[0].finish_reason = FinishReason.LENGTH
+    scheduler.capture(g)
+    g.is_aborted = True
+    assert scheduler.schedule() is None and scheduler.take_dropped() == [g] and not scheduler.has_work
+
+
 # ---- priorities: interactive groups before batch groups -------------------------------------------
 
 

@@ -12,8 +12,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..api.errors import APIError, new_request_id
+from ..api.registry import SCORE
 from ..api.score.serving import ScoreEntry
 from ..api.score.serving import entries as score_entries
+from ..api.serving.holding import Call
+from ..api.serving.pipeline import Pipeline
+from ..config import Limits, SchedulerSettings, Settings
 from .columns import ScoreOptions, asked_columns, empty_record, error_record, summary, to_table
 from .io import DatasetError, Prepared, Row
 from .job import run_sync
@@ -33,9 +38,6 @@ class InProcessScorer:
     """Scores rows on an engine in this process (`logprobe.engine.engine.Engine`, started)."""
 
     def __init__(self, engine, options: ScoreOptions = ScoreOptions()):
-        from ..api.serving.pipeline import Pipeline
-        from ..config import Limits
-
         self.engine = engine
         self.options = options
         self.pipeline = Pipeline(Limits(), backends=[engine])  # no admission: the job is the engine's only caller
@@ -47,9 +49,8 @@ class InProcessScorer:
                    options: ScoreOptions = ScoreOptions()) -> "InProcessScorer":
         """Load `model` (a name `logprobe serve --model` takes; None: the bundled model) and start its
         engine. `close()` stops it."""
-        from ..config import SchedulerSettings, Settings
+        from ..engine.engine import Engine  # torch: loaded when a model is, not when this module is
         from ..engine.runners import loader
-        from ..engine.engine import Engine
 
         source = loader.resolve_source(model)
         # no interactive request shares this engine: its passes may hold PASS_ROWS rows
@@ -70,9 +71,6 @@ class InProcessScorer:
     def prepare(self, rows: list[Row]) -> list[Prepared]:
         """Check every row as /v1/score would (the pipeline's checks); a row that cannot be scored gets
         its reason."""
-        from ..api.errors import APIError, new_request_id
-        from ..api.registry import SCORE
-
         out = []
         for row in rows:
             if not row.scored:
@@ -100,9 +98,6 @@ class InProcessScorer:
     async def run(self, prepared: list[Prepared], on_rows=None) -> list[dict]:
         """Records (see columns.py) of prepared rows, in the given order; `on_rows(rows, tokens)` once
         they are back (one run of the engine)."""
-        from ..api.errors import new_request_id
-        from ..api.serving.holding import Call
-
         todo = sorted((p for p in prepared if p.item is not None),
                       key=lambda p: (p.row.context or "", p.num_tokens))
         records: dict[int, dict] = {}

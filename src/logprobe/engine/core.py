@@ -26,7 +26,7 @@ import torch
 from ..backend import ModelInfo, RequestAborted, RequestConflict
 from ..config import SchedulerSettings
 from ..tokens import TokenTable
-from .host.captures import capture_finished
+from .host.captures import capture_finished, wants_captures
 from .contract import Runner
 from .device.grammar_masks import GrammarMasks
 from .host.health import EngineHealth
@@ -173,8 +173,9 @@ class EngineCore:
     # ---- one step: run, pick, record ------------------------------------------------------------
     def step(self, plan: Plan) -> None:
         """One engine step: one decode step for every running group, the next chunk of the prompts being
-        prefilled (several short prompts share one forward pass), a batch of prompt-only groups, and a
-        level of each token tree (its own pass)."""
+        prefilled (several short prompts share one forward pass), a batch of prompt-only groups, a level
+        of each token tree (its own pass), and the captures of the groups that finished before it (a
+        pass over each choice's tokens), after which their answers go out."""
         self.num_steps += 1
         self._resolve_edits(plan)
         # Decode first: the batch is then exactly the running groups' rows (a group whose prompt
@@ -188,6 +189,8 @@ class EngineCore:
             self._score(plan.score)
         for tree in plan.trees:  # each its own pass over its prompt or its newest level (engine/host/tree.py)
             self._per_request(tree, self._grow_tree)
+        for group in plan.captures:
+            self._per_request(group, self._captured)
 
     def _decode(self, groups: list[SequenceGroup], chunks: list[Chunk] = ()) -> None:
         """A decode step of `groups`, and the prompts' `chunks` (in the same pass where the runner can)."""
@@ -332,8 +335,19 @@ class EngineCore:
     def _after_step(self, group: SequenceGroup) -> None:
         if group.is_finished:
             self.runner.release(group)
+            if wants_captures(group):  # read in the next step (Plan.captures), which then reports it
+                self.scheduler.capture(group)
+                return
             self.scheduler.finished(group)
-            capture_finished(self.runner, group, self.info.num_layers)
+        self._report(group)
+
+    def _captured(self, group: SequenceGroup) -> None:
+        capture_finished(self.runner, group, self.info.num_layers)
+        self.scheduler.finished(group)
+        self._report(group)
+
+    def _report(self, group: SequenceGroup) -> None:
+        """Tell the group's caller what its step did (`on_step`), and that it finished (`on_finish`)."""
         if group.on_step is not None:
             try:
                 group.on_step(group)

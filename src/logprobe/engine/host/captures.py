@@ -9,6 +9,13 @@ from __future__ import annotations
 from .request import SequenceGroup
 
 
+def wants_captures(group: SequenceGroup) -> bool:
+    """Whether the group's request reads anything beside its tokens once it finishes (its captures are
+    then an item of the engine's next plan: Plan.captures)."""
+    params = group.params
+    return bool(params.residual_layers or params.lens_layers or params.return_unmodified)
+
+
 def capture_finished(runner, group: SequenceGroup, num_layers: int) -> None:
     """Fill the captures the group's request asked for on its sequences (`num_layers`: the model's)."""
     params = group.params

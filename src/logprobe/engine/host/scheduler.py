@@ -67,16 +67,19 @@ class Plan:
     prefill: list[Chunk] = field(default_factory=list)  # prompt chunks, in order, packed in one pass
     decode: list[SequenceGroup] = field(default_factory=list)  # one token for each active row
     trees: list[TreeGroup] = field(default_factory=list)  # token trees: a level (a pass) of each (engine/host/tree.py)
+    # finished groups whose captures (activations, the lens, the unmodified log probabilities) are read in
+    # this step: a pass over each choice's tokens (engine/host/captures.py), before their answer goes out
+    captures: list[SequenceGroup] = field(default_factory=list)
 
     @property
     def groups(self) -> list[SequenceGroup]:
-        return self.score + [c.group for c in self.prefill] + self.decode + self.trees
+        return self.score + [c.group for c in self.prefill] + self.decode + self.trees + self.captures
 
     @property
     def num_rows(self) -> int:
         """What the step observer counts: a row per prompt, a row per decoding sequence."""
         return (len(self.score) + len(self.prefill) + sum(len(g.active_rows) for g in self.decode)
-                + len(self.trees))
+                + len(self.trees) + len(self.captures))
 
 
 class Scheduler:
@@ -119,6 +122,7 @@ class Scheduler:
         self.running: list[SequenceGroup] = []
         self.dropped: list[SequenceGroup] = []  # aborted groups whose resources the engine must free
         self.trees: list[TreeGroup] = []  # token trees growing, a level per step each, beside the other work
+        self.capturing: list[SequenceGroup] = []  # finished groups whose captures the next step reads
         self.last_prompt_only = 0  # groups in the last interactive prompt-only batch that ran alone
 
     def add(self, group: SequenceGroup) -> None:
@@ -145,42 +149,46 @@ class Scheduler:
     @property
     def has_interactive_work(self) -> bool:
         """Whether an interactive group waits, is being prefilled or decodes (what an interactive step runs)."""
-        return self.is_interactive_waiting or any(not g.is_batch for g in [*self.prefilling, *self.running])
+        return self.is_interactive_waiting or \
+            any(not g.is_batch for g in [*self.prefilling, *self.running, *self.capturing])
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.prefilling or self.trees)
+        return bool(self.waiting or self.running or self.prefilling or self.trees or self.capturing)
 
     @property
     def num_in_flight(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.prefilling) + len(self.trees)
+        return len(self.waiting) + len(self.running) + len(self.prefilling) + len(self.trees) + len(self.capturing)
 
     def schedule(self, interactive_only: bool = False) -> Plan | None:
         """The next step's work, or None when idle: a batch of prompt-only groups (when one is first in
         line), a chunk of each prompt being prefilled (new ones join while their tokens fit
         `prefill_tokens`), and one decode step of every running group. Aborted groups are dropped first,
         before they cost a forward pass (`take_dropped` hands them over). `interactive_only`: a step for
-        the interactive groups, run between the blocks of a batch pass: no batch prompt and no tree in it
-        (running batch groups decode beside them: a decode pass takes every row of the KV cache), and
-        None when no interactive group has work."""
+        the interactive groups, run between the blocks of a batch pass: no batch prompt, no tree and no
+        batch group's captures in it (running batch groups decode beside them: a decode pass takes every
+        row of the KV cache), and None when no interactive group has work. The captures of the groups
+        that finished are read in the step (`captures`), before their answers go out."""
         self._drop_aborted()
         interactive_waited = self.is_interactive_waiting  # then no batch group takes new budget this step
         score = self._take_prompt_only() if self._prompt_only_first(interactive_only) else []
         self._admit_to_prefill(interactive_waited or interactive_only)
         prefilling, running = self.prefilling, self.running
+        captures = [g for g in self.capturing if not (interactive_only and g.is_batch)]
         if interactive_only:
             # Batch rows that decode stay in the step: a decode pass runs every row the KV cache holds.
             prefilling = [g for g in prefilling if not g.is_batch]
-            if not (score or prefilling or any(not g.is_batch for g in running)):
+            if not (score or prefilling or captures or any(not g.is_batch for g in running)):
                 return None
         trees = [] if interactive_only else list(self.trees)
-        if not (score or prefilling or running or trees):
+        if not (score or prefilling or running or trees or captures):
             return None
+        self.capturing = [g for g in self.capturing if g not in captures]
         # a step with an interactive prompt in it gives batch prompts no chunk: that step stays short
         interactive_prompt = any(not g.is_batch for g in [*score, *prefilling])
         prefilling = [g for g in prefilling if not (interactive_prompt and g.is_batch)]
         plan = Plan(score=score, prefill=self._chunks(prefilling, decoding=bool(running)),
-                    decode=list(running), trees=trees)
+                    decode=list(running), trees=trees, captures=captures)
         if score and not (plan.prefill or plan.decode or score[0].is_batch):
             self.last_prompt_only = len(score)
         return plan
@@ -316,7 +324,7 @@ class Scheduler:
                 and all(g.params.max_tokens == 0 and not g.is_batch for g in self.waiting))
 
     def _drop_aborted(self) -> None:
-        for queue in (self.waiting, self.running, self.prefilling, self.trees):
+        for queue in (self.waiting, self.running, self.prefilling, self.trees, self.capturing):
             for group in [g for g in queue if g.is_aborted]:
                 queue.remove(group)
                 self.dropped.append(group)
@@ -341,3 +349,11 @@ class Scheduler:
             self.running.remove(group)
         if group in self.prefilling:
             self.prefilling.remove(group)
+        if group in self.capturing:
+            self.capturing.remove(group)
+
+    def capture(self, group: SequenceGroup) -> None:
+        """The group finished and asked for captures: it leaves the step's queues and waits for the next
+        plan, which reads them (Plan.captures)."""
+        self.finished(group)
+        self.capturing.append(group)
