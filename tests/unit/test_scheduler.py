@@ -599,3 +599,30 @@ def test_no_prompt_to_admit_leaves_the_queue_as_it_is():
         scheduler.add(made)
     assert not scheduler.has_prompts_to_admit and scheduler.schedule_between_blocks() is None
     assert names(scheduler.waiting) == ["score1", "line"]
+
+
+def test_a_plan_names_the_prompts_whose_edits_are_made_before_their_first_pass():
+    """A prompt with interventions whose edits are not made yet is an item of the plan that starts it
+    (Plan.edits: the engine makes them first, a clean pass per patch); once made, later plans leave it out."""
+    from logprobe.backend import Intervention
+
+    scheduler = Scheduler(prefill_chunk_tokens=4)
+    edited = SequenceGroup("edited", list(range(1, 11)), SamplingParams(
+        max_tokens=2, interventions=[Intervention(layer=1, op="patch", positions=(0,), source_ids=(1, 2))]), TABLE)
+    plain = group("plain", 3)
+    scheduler.add(plain)
+    scheduler.add(edited)
+    plan = scheduler.schedule()
+    assert names(plan.edits) == ["edited"] and edited in [c.group for c in plan.prefill]
+    edited.edits = object()  # made
+    run(scheduler, plan)
+    plan = scheduler.schedule()
+    assert edited in plan.groups and plan.edits == []
+    late = SequenceGroup("late", [1, 2, 3], SamplingParams(
+        max_tokens=0, interventions=[Intervention(layer=1, op="patch", positions=(0,), source_ids=(1, 2))]), TABLE)
+    scheduler.add(late)
+    plan = scheduler.schedule()
+    assert names(plan.edits) == ["late"] and names(plan.score) == ["late"]
+    late.error = RuntimeError("its edits failed")
+    plan.drop_failed()
+    assert late not in plan.groups and plan.score == []

@@ -172,12 +172,15 @@ class EngineCore:
 
     # ---- one step: run, pick, record ------------------------------------------------------------
     def step(self, plan: Plan) -> None:
-        """One engine step: one decode step for every running group, the next chunk of the prompts being
+        """One engine step, the plan's items in order: the edits of the prompts that start (a clean pass
+        per patch), one decode step for every running group, the next chunk of the prompts being
         prefilled (several short prompts share one forward pass), a batch of prompt-only groups, a level
         of each token tree (its own pass), and the captures of the groups that finished before it (a
         pass over each choice's tokens), after which their answers go out."""
         self.num_steps += 1
-        self._resolve_edits(plan)
+        for group in plan.edits:  # a request whose edits fail leaves the plan
+            self._per_request(group, self._resolve)
+        plan.drop_failed()
         # Decode first: the batch is then exactly the running groups' rows (a group whose prompt
         # finishes in this step joins the batch in the next one). Where the runner can, the decode rows
         # and the prompts' chunks share one pass (one read of the weights).
@@ -319,16 +322,9 @@ class EngineCore:
         grow_tree(self.runner, tree, self.new_grammar_state)
         self._after_step(tree)
 
-    def _resolve_edits(self, plan: Plan) -> None:
-        """A request's interventions made ready for its passes (a patch's vector read from a clean pass
-        over its source prompt), before its first pass; a request whose edits fail leaves the plan."""
-        for group in [c.group for c in plan.prefill] + plan.score:
-            if group.params.interventions and group.edits is None:
-                self._per_request(group, self._resolve)
-        plan.prefill = [c for c in plan.prefill if c.group.error is None]
-        plan.score = [g for g in plan.score if g.error is None]
-
     def _resolve(self, group: SequenceGroup) -> None:
+        """A request's interventions made ready for its passes (a patch's vector read from a clean pass
+        over its source prompt), before its first pass."""
         group.edits = Edits.resolve(group.params.interventions, group.num_prompt_tokens, self.runner.device,
                                     lambda ids, layer: self.runner.residual_stream(ids, [layer])[layer])
 

@@ -70,6 +70,18 @@ class Plan:
     # finished groups whose captures (activations, the lens, the unmodified log probabilities) are read in
     # this step: a pass over each choice's tokens (engine/host/captures.py), before their answer goes out
     captures: list[SequenceGroup] = field(default_factory=list)
+    # groups of this plan's prompts whose interventions are made ready before their first pass (a patch's
+    # vector read from a clean pass over its source prompt: engine/runners/interventions.py)
+    edits: list[SequenceGroup] = field(default_factory=list, init=False)
+
+    def __post_init__(self) -> None:
+        self.edits = [g for g in self.score + [c.group for c in self.prefill]
+                      if g.params.interventions and g.edits is None]
+
+    def drop_failed(self) -> None:
+        """Leave out the prompts whose groups failed before the passes (their edits could not be made)."""
+        self.prefill = [c for c in self.prefill if c.group.error is None]
+        self.score = [g for g in self.score if g.error is None]
 
     @property
     def groups(self) -> list[SequenceGroup]:
