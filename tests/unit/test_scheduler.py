@@ -321,6 +321,14 @@ def test_a_finished_groups_captures_are_an_item_of_the_next_plan():
     assert names(plan.captures) == ["line"] and other not in plan.groups and lines in plan.groups
     scheduler.finished(lines)
     assert scheduler.schedule() is None and not scheduler.has_work and scheduler.num_in_flight == 0
+    # between the blocks of an interactive prompt-only pass: an interactive group's captures, not a batch one's
+    late, line = group("late", 3, max_tokens=1), batch("line2", 3, 1)
+    for g in (late, line):
+        scheduler.capture(g)
+    assert scheduler.has_interactive_captures
+    plan = scheduler.schedule_between_blocks()
+    assert names(plan.captures) == ["late"] and names(scheduler.capturing) == ["line2"]
+    assert not scheduler.has_interactive_captures and scheduler.schedule_between_blocks() is None
 
 
 def test_an_aborted_group_waiting_for_its_captures_is_dropped():

@@ -300,7 +300,8 @@ class EngineCore:
         """Between two blocks of an interactive prompt-only pass (`tokens`: the padded positions of the
         block just done): a step of the interactive generations' prompts that wait or are being prefilled,
         so a stream that arrives while scoring requests queue gets its first token after a block of
-        scoring, not after each of their passes; and a decode step of the running rows once per
+        scoring, not after each of their passes; the captures of interactive groups that finished; and a
+        decode step of the running rows once per
         `score_batch_tokens_decoding` padded tokens of the pass (counted over all its blocks), so that a
         long scoring prompt does not stall them for its whole pass (Scheduler.schedule_between_blocks).
         Its own passes are not interleaved."""
@@ -308,7 +309,7 @@ class EngineCore:
         self._block_tokens += tokens
         decode = bool(self.scheduler.running) and \
             self._block_tokens >= self.info.num_layers * self.scheduler.score_batch_tokens_decoding
-        if not (decode or self.scheduler.has_prompts_to_admit):
+        if not (decode or self.scheduler.has_prompts_to_admit or self.scheduler.has_interactive_captures):
             return
         if decode:
             self._block_tokens = 0

@@ -212,13 +212,19 @@ class Scheduler:
         return any(not g.is_batch and g.params.max_tokens > 0 for g in self.waiting) or \
             any(not g.is_batch for g in self.prefilling)
 
+    @property
+    def has_interactive_captures(self) -> bool:
+        """Whether an interactive group that finished waits for its captures."""
+        return any(not g.is_batch for g in self.capturing)
+
     def schedule_between_blocks(self, decode: bool = False) -> Plan | None:
         """A step run between the blocks of an interactive prompt-only pass (core.py): interactive
         generations' prompts, admitted past the prompt-only groups queued ahead of them (each of which
         would otherwise hold them for a whole pass), a chunk of each interactive prompt being prefilled,
-        and with `decode` a decode step of every running group (batch ones too: a decode pass takes every
-        row of the KV cache; the engine asks for one per `score_batch_tokens_decoding` tokens of the pass).
-        No prompt-only group, no batch prompt, no tree. None when there is nothing of that."""
+        the captures of interactive groups that finished, and with `decode` a decode step of every running
+        group (batch ones too: a decode pass takes every row of the KV cache; the engine asks for one per
+        `score_batch_tokens_decoding` tokens of the pass). No prompt-only group, no batch prompt, no tree.
+        None when there is nothing of that."""
         self._drop_aborted()
         i = 0
         while i < len(self.waiting) and not self.waiting[i].is_batch:
@@ -235,9 +241,11 @@ class Scheduler:
             self._begin_prefill(group)
         prefilling = [g for g in self.prefilling if not g.is_batch]
         running = list(self.running) if decode else []
-        if not (prefilling or running):
+        captures = [g for g in self.capturing if not g.is_batch]
+        if not (prefilling or running or captures):
             return None
-        return Plan(prefill=self._chunks(prefilling, decoding=True), decode=running)
+        self.capturing = [g for g in self.capturing if g not in captures]
+        return Plan(prefill=self._chunks(prefilling, decoding=True), decode=running, captures=captures)
 
     def _prompt_only_first(self, interactive_only: bool = False) -> bool:
         if not self.waiting or (interactive_only and self.waiting[0].is_batch):
