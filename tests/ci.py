@@ -71,9 +71,11 @@ def run_range(part: Part, end: str, quiet: bool) -> None:
             python = version_ranges.build(end)
         except (version_ranges.PipFailed, subprocess.CalledProcessError) as error:
             # A download cut off mid-way (the newest end fetches torch's several-GB PyPI build) is not
-            # a defect of the code under test: build once more, from what pip already has, and say so.
+            # a defect of the code under test: build once more, in a new environment (the failed one may
+            # hold a package half-installed) from the wheels pip already has, and say so.
             part.notes.append(f"first build failed ({error}); building again")
             print(f"{end} end: {part.notes[-1]}", flush=True)
+            version_ranges.discard(end)
             python = version_ranges.build(end)
         part.built_s = time.monotonic() - part.started
         command = [str(python), "-m", "pytest", *version_ranges.TESTS]

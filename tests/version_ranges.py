@@ -119,12 +119,26 @@ def installed(python: Path, names: list[str]) -> dict[str, str]:
     return json.loads(out)
 
 
+def env_dir_of(end: str) -> Path:
+    return ROOT / f".venv-range-{end}"
+
+
+def discard(end: str) -> None:
+    """Remove an end's environment: a build that failed mid-way (a download cut off, a full disk) can
+    leave a package's metadata without all of its files, which pip then takes as installed."""
+    shutil.rmtree(env_dir_of(end), ignore_errors=True)
+
+
+# What each environment must import once built: a half-installed package fails here, not in the tests.
+IMPORTS = "import torch, transformers, gguf, numpy, fastapi, pydantic, orjson, logprobe; torch.ones(2).sum()"
+
+
 def build(end: str) -> Path:
     proj = project()
     # the `data` extra (pyarrow, tqdm: `logprobe score --input`) is held to its range like a dependency:
     # pyarrow's newest needs NumPy 2, so only its lower bound runs beside NumPy's
     reqs = [Requirement(text) for text in proj["dependencies"] + proj["optional-dependencies"]["data"]]
-    env_dir = ROOT / f".venv-range-{end}"
+    env_dir = env_dir_of(end)
     python = env_dir / "bin" / "python"
     if not python.exists():
         subprocess.run([python_for(end, proj["requires-python"]), "-m", "venv", str(env_dir)], check=True)
@@ -149,6 +163,10 @@ def build(end: str) -> Path:
              if Version(Version(versions[name]).base_version) != Version(want[name])}
     if wrong:
         raise SystemExit(f"{end}: installed versions differ from the bounds: {wrong}")
+    imports = subprocess.run([str(python), "-c", IMPORTS], capture_output=True, text=True, errors="replace")
+    if imports.returncode:
+        said = " | ".join(imports.stderr.strip().splitlines()[-3:]) or "(nothing written)"
+        raise PipFailed(f"{end}: the environment was built but does not import: {said}")
     version = subprocess.run([str(python), "-c", "import platform; print(platform.python_version())"],
                              check=True, capture_output=True, text=True).stdout.strip()
     print(f"tests at the {end} end of every range: Python {version}, "
