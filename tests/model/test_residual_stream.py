@@ -127,3 +127,44 @@ def test_captures_are_an_item_of_the_step_after_the_last_token(client, reference
     ids = [int(t.split(":")[1]) for t in choice["logprobs"]["tokens"]]
     assert len(ids) == 4 + max_tokens and choice["residual_stream"]["num_positions"] == len(ids)
     np.testing.assert_allclose(decode(choice["residual_stream"], 1), hidden64(reference, ids)[1], atol=TOL)
+
+
+def test_a_failed_capture_fails_its_request_alone_and_the_engine_serves_on(tiny_model, tokenizer, reference):
+    """A capture that fails (its pass raises) fails that request with the envelope's 500 and leaves no
+    group waiting for captures; the request beside it and the same request sent again are answered, the
+    latter with the float64 forward's vectors."""
+    from fastapi.testclient import TestClient
+
+    from logprobe.api.app import create_app
+    from logprobe.config import Limits
+    from logprobe.engine.engine import Engine
+
+    engine = Engine(tiny_model, tokenizer, "test/tiny-llama", ["tiny"])
+    engine.start()
+    real, calls = engine.runner.residual_stream, []
+
+    def failing_once(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 1:
+            raise RuntimeError("the capture's pass failed")
+        return real(*args, **kwargs)
+
+    engine.runner.residual_stream = failing_once
+    body = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 2, "temperature": 0, "ignore_eos": True,
+            "echo": True, "logprobs": 0, "return_tokens_as_token_ids": True,
+            "output_residual_stream": {"layers": [1], "dtype": "float32", "encoding": "base64"}}
+    try:
+        with TestClient(create_app(engine, Limits()), raise_server_exceptions=False) as client:
+            failed = client.post("/v1/completions", json=body)
+            assert failed.status_code == 500 and failed.json()["error"]["type"] == "server_error"
+            assert "capture" not in failed.text  # no internals
+            assert engine.scheduler.capturing == [] and engine.num_in_flight == 0
+            assert engine.request_failures == 1 and engine.step_failures == 0
+            plain = client.post("/v1/completions", json={"model": "tiny", "prompt": "after", "max_tokens": 2})
+            again = client.post("/v1/completions", json=body)
+    finally:
+        engine.stop()
+    assert plain.status_code == again.status_code == 200
+    choice = again.json()["choices"][0]
+    ids = [int(t.split(":")[1]) for t in choice["logprobs"]["tokens"]]
+    np.testing.assert_allclose(decode(choice["residual_stream"], 1), hidden64(reference, ids)[1], atol=TOL)
