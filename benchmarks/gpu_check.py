@@ -322,14 +322,15 @@ def tree_path(engine, model64):
 
 def interleaved_path(engine, model64):
     """Batch scoring lines, the pass held at its first block while two interactive requests are queued
-    (test_interleaved_steps.FirstBlock): they must run there; every number as uninterrupted and alone."""
+    (test_interleaved_steps.FirstBlock): they must run in the next step, before the pass's next block;
+    every number as uninterrupted and alone."""
     import test_interleaved_steps as steps
 
     lines, asked = steps.batch_lines(engine), steps.interactive_requests(engine)
     seen = []
-    steps.FirstBlock(engine, lambda n: seen.append((n, asked[0].is_finished,
-                                                   sum(g.is_finished for g in lines)))).run(lines, asked)
-    notes = {"at_first_block": bool(seen) and seen[0] == (1, True, 0)}
+    steps.FirstBlock(engine, lambda positions: seen.append((engine.num_steps, asked[0].is_finished,
+                                                           sum(g.is_finished for g in lines)))).run(lines, asked)
+    notes = {"at_first_block": len(seen) > 1 and seen[1] == (seen[0][0] + 2, True, 0)}
     alone = steps.copies(asked, engine.table)
     run_groups(engine, alone)
     notes["asked_as_alone"] = all(steps.numbers(a) == steps.numbers(b) for a, b in zip(alone, asked))
@@ -367,17 +368,18 @@ def client_loop_path(engine, model64, calls=24):
 
 def prompt_step_path(engine, model64):
     """Interactive scoring requests in a pass held at its first block while a generation is queued
-    (test_interleaved_steps, `_between_blocks`): its prompt runs there; every number as uninterrupted and alone."""
+    (test_interleaved_steps, `_pause_point`): its prompt runs in the next step, before the pass's next block;
+    every number as uninterrupted and alone."""
     import test_interleaved_steps as steps
 
     scores = [steps.make(engine, f"Scoring text {i} " + "with a few more words " * (3 + i), max_tokens=0,
                          prompt_logprobs=2) for i in range(3)]
     stream = steps.make(engine, "An interactive question about rivers", max_tokens=5, temperature=0, logprobs=3)
     seen = []
-    steps.FirstBlock(engine, lambda n: seen.append((n, len(stream.sequences[0].token_ids),
-                                                   sum(g.is_finished for g in scores))),
-                     hook="_between_blocks").run(scores, [stream])
-    notes = {"at_first_block": bool(seen) and seen[0] == (1, 1, 0)}
+    steps.FirstBlock(engine, lambda positions: seen.append((engine.num_steps, len(stream.sequences[0].token_ids),
+                                                           sum(g.is_finished for g in scores))),
+                     batch=False).run(scores, [stream])
+    notes = {"at_first_block": len(seen) > 1 and seen[1] == (seen[0][0] + 1, 1, 0)}
     alone = steps.copies([stream], engine.table)
     run_groups(engine, alone)
     notes["stream_as_alone"] = steps.numbers(alone[0]) == steps.numbers(stream)

@@ -28,9 +28,9 @@ def score(engine, rows: list[Row], max_rows: int) -> tuple[list[dict], list[int]
     batches, sizes = engine.runner.prompt_batches, []
     old_rows, plain = engine.scheduler.max_score_batch, batches.run_plain
 
-    def run_plain(groups):
+    def run_plain(groups, *head):
         sizes.append(len(groups))
-        plain(groups)
+        return plain(groups, *head)  # the pass's steps
 
     engine.scheduler.max_score_batch, batches.run_plain = max_rows, run_plain  # on the instance only
     try:

@@ -1,10 +1,12 @@
-"""Interactive steps between the blocks of a batch pass (engine/core.py `_interactive_step`), on the
-real engine and the tiny random model: an interactive request that arrives while a pass of batch
-scoring lines runs has its prompt run, and its first token picked, at the next block, before that pass
-ends; the batch lines get the same numbers as the same pass without interruption, and the interactive
-requests the same as alone (bit for bit), and all the float64 reference's within the usual tolerance.
-The engine thread is held at the first block while the test queues the interactive requests, and the
-batch lines reach the scheduler together: nothing depends on how fast either side runs."""
+"""A prompt-only pass that takes several engine steps (engine/core.py `_advance`: it pauses at a block
+where other work waits, and the next step goes on with it), on the real engine and the tiny random
+model: an interactive request that arrives while a pass of batch scoring lines runs has its prompt
+run, and its first token picked, in the step after the next block, before that pass ends; the batch
+lines get the same numbers as the same pass without pauses, and the interactive requests the same as
+alone (bit for bit), and all the float64 reference's within the usual tolerance. The engine thread is
+held at the pass's first pause point while the test queues the interactive requests, and the batch
+lines reach the scheduler together: nothing depends on how fast either side runs.
+"""
 
 from __future__ import annotations
 
@@ -85,42 +87,44 @@ def numbers(group: SequenceGroup) -> dict:
 
 
 class FirstBlock:
-    """Stands in for the engine's `_interactive_step` (what a batch pass calls at each block): holds the
-    engine at the first block of a batch pass until `run` has queued the interactive requests, then
-    lets each call through, `after(steps)` (if given) seeing the state after it and how many steps it ran."""
+    """Stands in for the engine's `_pause_point` (where a prompt-only pass may end its step, after each
+    block and before each head run): holds the engine at the first pause point of the watched pass (a
+    batch one, or an interactive one with `batch=False`) until `run` has queued the asked requests, then
+    lets each call through, `seen(positions)` (if given) called first at each of the watched pass's
+    pause points with what its block ran (0 before a head run)."""
 
-    def __init__(self, engine, after=None, hook: str = "_interactive_step"):
-        self.engine, self.after, self.hook = engine, after, hook
-        self.original = getattr(engine, hook)
+    def __init__(self, engine, seen=None, batch: bool = True):
+        self.engine, self.seen, self.batch = engine, seen, batch
+        self.original = engine._pause_point
         self.in_pass, self.queued = threading.Event(), threading.Event()
 
-    def __call__(self, tokens: int = 0) -> None:
-        if not self.in_pass.is_set():
-            self.in_pass.set()  # the batch pass has begun: hold it until the interactive requests are queued
-            assert self.queued.wait(PATIENCE_S)
-        before = self.engine.num_steps
-        self.original(tokens)
-        if self.after is not None:
-            self.after(self.engine.num_steps - before)
+    def __call__(self, prompt_pass, positions: int) -> bool:
+        if prompt_pass.is_batch == self.batch:
+            if not self.in_pass.is_set():
+                self.in_pass.set()  # the pass has begun: hold it until the asked requests are queued
+                assert self.queued.wait(PATIENCE_S)
+            if self.seen is not None:
+                self.seen(positions)
+        return self.original(prompt_pass, positions)
 
-    def run(self, batch_groups: list[SequenceGroup], asked: list[SequenceGroup], **gather) -> None:
-        """Queue the batch groups together, then the interactive ones once the first block is reached;
-        wait for all of them (`gather`: asyncio.gather's options)."""
+    def run(self, first: list[SequenceGroup], asked: list[SequenceGroup], **gather) -> None:
+        """Queue the `first` groups together, then the asked ones once the watched pass's first pause
+        point is reached; wait for all of them (`gather`: asyncio.gather's options)."""
         engine = self.engine
 
         async def main():
             with gathered(engine):
-                batch_done = engine.submit(batch_groups)
+                first_done = engine.submit(first)
             await asyncio.get_running_loop().run_in_executor(None, self.in_pass.wait, PATIENCE_S)
             asked_done = engine.submit(asked)
             self.queued.set()
-            await asyncio.gather(*asked_done, *batch_done, **gather)
+            await asyncio.gather(*asked_done, *first_done, **gather)
 
-        setattr(engine, self.hook, self)
+        engine._pause_point = self
         try:
             asyncio.run(main())
         finally:
-            delattr(engine, self.hook)
+            del engine._pause_point
         assert self.in_pass.is_set()
 
 
@@ -144,20 +148,24 @@ def assert_greedy_as_reference(reference, group: SequenceGroup) -> None:
 def test_an_interactive_request_runs_at_the_next_block_of_a_batch_pass(engine, reference):
     assert engine.scheduler.interleaves
     lines, asked = batch_lines(engine), interactive_requests(engine)
-    seen = []  # at each block boundary of the batch pass, after the interactive step (if any)
+    seen = []  # at each pause point of the batch pass, before the engine decides whether to pause
 
-    def after(steps: int) -> None:
-        seen.append({"steps": steps, "asked_done": [g.is_finished for g in asked],
+    def at_pause_point(positions: int) -> None:
+        seen.append({"step": engine.num_steps, "asked_done": [g.is_finished for g in asked],
                      "tokens": len(asked[1].sequences[0].token_ids),
                      "lines_done": sum(g.is_finished for g in lines)})
 
-    FirstBlock(engine, after).run(lines, asked)
-    assert seen
-    first = seen[0]
-    # at the first block: one interactive step ran both prompts, the scoring request is answered and the
-    # generating one has its first token, while no batch line of the pass is done yet
-    assert first["steps"] == 1 and first["asked_done"][0] and first["tokens"] == 1 and first["lines_done"] == 0
-    assert all(s["steps"] == 1 for s in seen if not all(s["asked_done"]))  # one step a block while they run
+    FirstBlock(engine, at_pause_point).run(lines, asked)
+    assert len(seen) > 2
+    first, second = seen[0], seen[1]
+    # the pass paused at its first block; the next step ran both prompts (the scoring request's own pass
+    # whole, the generation's first token) and the step after it went on with the batch pass, which then
+    # advanced a block per step while the generation decoded, no batch line done before it ended
+    assert first == {"step": first["step"], "asked_done": [False, False], "tokens": 0, "lines_done": 0}
+    assert second["step"] == first["step"] + 2 and second["asked_done"][0] and second["tokens"] == 2
+    running = [s for s in seen[1:] if not s["asked_done"][1]]
+    assert [s["step"] for s in running] == list(range(second["step"], second["step"] + len(running)))
+    assert all(s["lines_done"] == 0 for s in seen)
     assert all(g.error is None for g in lines + asked)
 
     # the batch lines' numbers are those of the same pass uninterrupted, the interactive requests' those
@@ -175,31 +183,35 @@ def test_an_interactive_request_runs_at_the_next_block_of_a_batch_pass(engine, r
 @pytest.mark.parametrize("decode_every", [512, 16])
 def test_a_stream_is_prefilled_at_the_next_block_of_a_scoring_pass(engine, reference, decode_every):
     """Interactive scoring requests in a prompt-only pass, and a generation that arrives once the pass
-    has begun: at the pass's first block a step runs the generation's prompt alone and picks its first
-    token, before any scoring request is answered (`_between_blocks`). At a later block the generation
-    decodes a step once the pass has run `score_batch_tokens_decoding` padded tokens (over all its
-    blocks) since: the pass here is ~100 tokens, so with the default (512) it decodes only in the steps
-    around the pass, with 16 at the second block (the tiny model's last; the head runs count none). The
-    scoring requests' numbers are those of the same pass uninterrupted, the generation's those it gets
-    alone, bit for bit, and the reference's."""
+    has begun: the pass pauses at its first block, and the next step runs the generation's prompt and
+    picks its first token before it goes on with the pass, no scoring request answered yet
+    (`_beside_interactive_pass`). The generation decodes a step once the pass has run
+    `score_batch_tokens_decoding` padded tokens since it began decoding: the pass here is ~100 tokens, so
+    with the default (512) not before the pass ends, with 16 at the pass's second block (the tiny model's
+    last; the head runs count none), after which the pass ends in that step. The scoring requests'
+    numbers are those of the same pass uninterrupted, the generation's those it gets alone, bit for bit,
+    and the reference's."""
     engine.scheduler.score_batch_tokens_decoding = decode_every
     scores = [make(engine, f"Scoring text {i} " + "with a few more words " * (3 + i), max_tokens=0, prompt_logprobs=2)
               for i in range(3)]
     stream = make(engine, "An interactive question about rivers", max_tokens=5, temperature=0, logprobs=3)
     seen = []
 
-    def after(steps: int) -> None:
-        seen.append({"steps": steps, "tokens": len(stream.sequences[0].token_ids),
+    def at_pause_point(positions: int) -> None:
+        seen.append({"step": engine.num_steps, "block": positions > 0, "tokens": len(stream.sequences[0].token_ids),
                      "scored": sum(g.is_finished for g in scores)})
 
-    FirstBlock(engine, after, hook="_between_blocks").run(scores, [stream])
+    FirstBlock(engine, at_pause_point, batch=False).run(scores, [stream])
     padded = len(scores) * max(len(g.prompt_ids) for g in scores)
     assert engine.info.num_layers == 2 and padded < 512 and 2 * padded >= engine.info.num_layers * 16
-    assert seen[0] == {"steps": 1, "tokens": 1, "scored": 0}
-    if decode_every == 16:
-        assert seen[1] == {"steps": 1, "tokens": 2, "scored": 0}  # a decode step at the second block
-        seen = seen[1:]
-    assert all(s["steps"] == 0 for s in seen[1:])
+    first = seen[0]["step"]
+    assert seen[0] == {"step": first, "block": True, "tokens": 0, "scored": 0}
+    assert seen[1] == {"step": first + 1, "block": True, "tokens": 1, "scored": 0}  # its prompt, then a block
+    if decode_every == 16:  # a decode step, then the rest of the pass
+        assert {(s["step"], s["tokens"]) for s in seen[2:]} == {(first + 2, 2)}
+    else:  # the rest of the pass in the step that ran the prompt
+        assert {(s["step"], s["tokens"]) for s in seen[2:]} == {(first + 1, 1)}
+    assert len(seen) > 2 and not any(s["block"] for s in seen[2:]) and not any(s["scored"] for s in seen)
     assert all(g.error is None and g.is_finished for g in [*scores, stream])
     assert_as_uninterrupted(engine, scores)
     assert_as_alone(engine, stream)
@@ -210,33 +222,37 @@ def test_running_rows_decode_between_the_blocks_of_a_long_scoring_prompt(engine,
     """A stream decoding when a long scoring prompt's pass begins (both sent together: the stream's
     prompt runs first, the pass in the next step) decodes a step between the pass's blocks once per
     `score_batch_tokens_decoding` padded tokens of it (64 here: a 200-token pass through 2 blocks gives
-    one at each block), and ends with the float64 reference's greedy tokens and log probabilities, its
-    numbers those it gets alone, bit for bit; the scoring prompt's those of the same pass uninterrupted."""
+    one after each block: the pass pauses there and the next step decodes, then goes on with it), and
+    ends with the float64 reference's greedy tokens and log probabilities, its numbers those it gets
+    alone, bit for bit; the scoring prompt's those of the same pass uninterrupted."""
     engine.scheduler.score_batch_tokens_decoding = 64
     stream = make(engine, "An interactive question about rivers", max_tokens=12, temperature=0, logprobs=3)
     ids = (engine.tokenizer("A long text to score, " + "one river after another " * 60).input_ids)[:200]
     score = SequenceGroup("interactive-long", ids, SamplingParams(max_tokens=0, prompt_logprobs=2), engine.table)
     assert len(ids) == 200 and engine.info.num_layers == 2
-    original, seen = engine._between_blocks, []
+    original, seen = engine._pause_point, []
 
-    def counted(tokens: int = 0) -> None:
-        before = len(stream.sequences[0].token_ids)
-        original(tokens)
-        seen.append((tokens, len(stream.sequences[0].token_ids) - before))
+    def counted(prompt_pass, positions: int) -> bool:
+        seen.append((positions, engine.num_steps, len(stream.sequences[0].token_ids)))
+        return original(prompt_pass, positions)
 
     async def main():
         with gathered(engine):
             done = engine.submit([stream, score])
         await asyncio.gather(*done)
 
-    engine._between_blocks = counted
+    engine._pause_point = counted
     try:
         asyncio.run(main())
     finally:
-        del engine._between_blocks
+        del engine._pause_point
     assert all(g.error is None and g.is_finished for g in (stream, score))
-    assert [new for tokens, new in seen if tokens] == [1, 1]  # a token at each block of the pass
-    assert all(new == 0 for tokens, new in seen if not tokens)  # none before the head's runs
+    blocks = [(step, tokens) for positions, step, tokens in seen if positions]
+    heads = {(step, tokens) for positions, step, tokens in seen if not positions}
+    # the pass began in the step after the prompt's (which gave the first token) and decoded before
+    # it: a token, then a step and a token after each block, the head runs in the last of them
+    (step, tokens), _ = blocks
+    assert tokens == 2 and blocks == [(step, 2), (step + 1, 3)] and heads == {(step + 2, 4)}
     assert_as_uninterrupted(engine, [score])
     assert_as_alone(engine, stream)
     assert_greedy_as_reference(reference, stream)
@@ -259,6 +275,42 @@ def test_an_interactive_step_that_fails_leaves_the_batch_pass_whole(engine, monk
     assert isinstance(asked[0].error, RuntimeError)
     assert all(g.error is None and g.is_finished for g in lines)
     assert_as_uninterrupted(engine, lines)
+
+
+def test_a_pass_that_fails_after_its_pauses_fails_its_own_groups(engine, reference, monkeypatch):
+    """A batch pass that fails after it paused for interactive requests (here at its first pause point
+    once they are answered) fails its own lines with the step it failed in: the interactive requests
+    answered in the steps between keep their answers, as alone, and the engine scores the same lines
+    again, each as the float64 reference does."""
+    lines = batch_lines(engine)
+    asked = [make(engine, "An interactive text to score", max_tokens=0, prompt_logprobs=2),
+             make(engine, "An interactive question about rivers", max_tokens=2, temperature=0, logprobs=3)]
+    original = engine.runner.prompt_pass
+
+    def failing(groups):
+        steps = original(groups)
+        if not groups[0].is_batch:
+            return (yield from steps)
+        for positions in steps:
+            if all(g.is_finished for g in asked):
+                raise RuntimeError("injected failure of a batch pass")
+            yield positions
+
+    monkeypatch.setattr(engine.runner, "prompt_pass", failing)
+    FirstBlock(engine).run(lines, asked, return_exceptions=True)
+    monkeypatch.undo()
+    assert all(isinstance(g.error, RuntimeError) for g in lines)
+    assert all(g.error is None and g.is_finished for g in asked) and not engine.scheduler.passes
+    assert engine.step_failures == 1 and engine.request_failures == 0
+    for group in asked:
+        assert_as_alone(engine, group)
+    again = copies(lines, engine.table)
+    asyncio.run(engine.run_groups(again))
+    for group in again:
+        assert group.error is None
+        ref = reference.logprobs(group.prompt_ids).numpy()
+        want = [ref[i - 1][group.prompt_ids[i]] for i in range(1, len(group.prompt_ids))]
+        np.testing.assert_allclose(group.prompt_columns.logprobs[1:], want, atol=TOL)
 
 
 def assert_as_uninterrupted(engine, lines: list[SequenceGroup]) -> None:

@@ -29,13 +29,13 @@ def test_decode_rows_and_prompt_chunks_share_one_pass(kind, tokenizer, reference
     engine.scheduler.prefill_chunk_tokens = 16  # prompts beside decoding rows go in chunks of 16
     runner = engine.runner
     passes = []
-    forward = runner.forward
+    forward = runner._embed  # every pass of the blocks begins here (`forward`, `forward_steps`)
 
-    def counted(ids, meta, **kwargs):
+    def counted(ids, meta, *args, **kwargs):
         passes.append(ids.shape[1])
-        return forward(ids, meta, **kwargs)
+        return forward(ids, meta, *args, **kwargs)
 
-    monkeypatch.setattr(runner, "forward", counted)
+    monkeypatch.setattr(runner, "_embed", counted)
     made = {
         "a": (prompt(9, salt=40), dict(max_tokens=14, logprobs=3, temperature=0)),
         "b": (prompt(37, salt=41), dict(max_tokens=5, logprobs=2, temperature=0, prompt_logprobs=2, n=2)),

@@ -142,13 +142,13 @@ def columns(engine, prompts, params, interventions=()):
 def counting(engine, monkeypatch) -> dict:
     """Count the tokens (real and padded) the passes of the blocks run."""
     counted = {"tokens": 0}
-    forward = engine.runner.forward
+    forward = engine.runner._embed  # every pass of the blocks begins here (`forward`, `forward_steps`)
 
-    def counted_forward(ids, meta, **kwargs):
+    def counted_forward(ids, meta, *args, **kwargs):
         counted["tokens"] += ids.numel()
-        return forward(ids, meta, **kwargs)
+        return forward(ids, meta, *args, **kwargs)
 
-    monkeypatch.setattr(engine.runner, "forward", counted_forward)
+    monkeypatch.setattr(engine.runner, "_embed", counted_forward)
     return counted
 
 
@@ -157,7 +157,7 @@ def spying(engine, monkeypatch) -> list:
     ran = []
     shared = engine.runner.prompt_batches.run_shared
     monkeypatch.setattr(engine.runner.prompt_batches, "run_shared",
-                        lambda groups, clusters: ran.append(clusters) or shared(groups, clusters))
+                        lambda groups, clusters, *head: ran.append(clusters) or shared(groups, clusters, *head))
     return ran
 
 

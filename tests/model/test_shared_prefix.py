@@ -47,7 +47,7 @@ def test_shared_prefix_columns_equal_their_own_pass_and_the_reference(kind, toke
     prompts += [tokenizer("Something else entirely, with no context in common at all").input_ids]
     ran = []
     shared = engine.runner.prompt_batches.run_shared
-    engine.runner.prompt_batches.run_shared = lambda groups, clusters: ran.append(clusters) or shared(groups, clusters)
+    engine.runner.prompt_batches.run_shared = lambda groups, clusters, *head: ran.append(clusters) or shared(groups, clusters, *head)
     for params in (dict(max_tokens=0, prompt_logprobs=3, echo=True), dict(max_tokens=0, prompt_logprobs=-1),
                    dict(max_tokens=0, prompt_logprobs=2, logprob_token_ids=[5, 9, 100], position_stats=True)):
         together = columns(engine, prompts, params)

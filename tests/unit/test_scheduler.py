@@ -10,7 +10,7 @@ from fake_backend import TinyTokenizer
 from logprobe.backend import FinishReason, SamplingParams
 from logprobe.config import SchedulerSettings
 from logprobe.engine.host.request import SequenceGroup
-from logprobe.engine.host.scheduler import Scheduler
+from logprobe.engine.host.scheduler import PromptPass, Scheduler
 from logprobe.tokens import TokenTable
 
 TABLE = TokenTable.build(TinyTokenizer(), 258)
@@ -34,10 +34,15 @@ def chunks(plan) -> list[tuple[str, int]]:
     return [(c.group.request_id, c.num_tokens) for c in plan.prefill]
 
 
-def run(scheduler: Scheduler, plan) -> None:
+def run(scheduler: Scheduler, plan, paused: bool = False) -> None:
     """What the engine does with a plan, in bookkeeping only: a prompt whose chunks are all done starts
-    decoding, each decode step adds a token, and a group ends at its max_tokens."""
-    for group in plan.score:
+    decoding, each decode step adds a token, a group ends at its max_tokens, and a prompt-only pass runs
+    to its end (`paused`: it pauses before, and stays begun)."""
+    if plan.prompt_pass is not None and paused:
+        plan.prompt_pass.steps = "paused"  # begun: the engine holds the runner's pass here
+    elif plan.prompt_pass is not None:  # the pass runs to its end
+        scheduler.pass_done(plan.prompt_pass)
+    for group in [] if paused else plan.score:
         for seq in group.sequences:
             seq.finish_reason = FinishReason.LENGTH
         scheduler.finished(group)
@@ -312,9 +317,11 @@ def test_a_finished_groups_captures_are_an_item_of_the_next_plan():
         scheduler.capture(g)
     assert scheduler.num_in_flight == 3 and scheduler.has_interactive_work
     assert names(scheduler.running) == ["other"] and names(scheduler.capturing) == ["done", "line"]
-    plan = scheduler.schedule(interactive_only=True)
-    assert names(plan.captures) == ["done"] and names(plan.decode) == ["other"]
-    assert names(scheduler.capturing) == ["line"]  # a batch group's captures wait for a whole step
+    paused = begun(scheduler, batch("pass", 5, max_tokens=0))  # a batch prompt-only pass, paused
+    plan = scheduler.schedule()
+    assert plan.prompt_pass is paused and names(plan.captures) == ["done"] and names(plan.decode) == ["other"]
+    assert names(scheduler.capturing) == ["line"]  # a batch group's captures wait for the pass's end
+    scheduler.pass_done(paused)
     scheduler.finished(done)
     other.is_aborted = True
     plan = scheduler.schedule()
@@ -326,9 +333,20 @@ def test_a_finished_groups_captures_are_an_item_of_the_next_plan():
     for g in (late, line):
         scheduler.capture(g)
     assert scheduler.has_interactive_captures
-    plan = scheduler.schedule_between_blocks()
-    assert names(plan.captures) == ["late"] and names(scheduler.capturing) == ["line2"]
-    assert not scheduler.has_interactive_captures and scheduler.schedule_between_blocks() is None
+    paused = begun(scheduler, group("scoring", 5, max_tokens=0))
+    assert scheduler.should_pause(paused)  # the captures are worth a step of their own
+    plan = scheduler.schedule()
+    assert plan.prompt_pass is paused and names(plan.captures) == ["late"] and names(scheduler.capturing) == ["line2"]
+    assert not scheduler.has_interactive_captures and not scheduler.should_pause(paused)
+    assert names(scheduler.schedule().groups) == ["scoring"]  # the pass alone goes on
+
+
+def begun(scheduler: Scheduler, *groups: SequenceGroup) -> PromptPass:
+    """A prompt-only pass of `groups`, begun and paused (as the engine leaves one when it ends a step at
+    one of the pass's pause points)."""
+    made = PromptPass(list(groups), steps="paused")
+    scheduler.passes.append(made)
+    return made
 
 
 def test_an_aborted_group_waiting_for_its_captures_is_dropped():
@@ -537,46 +555,56 @@ def test_an_interleaving_runner_takes_longer_batch_passes_and_whole_scoring_line
     assert not plan.score and chunks(plan) == [("scoring-600", 128)]
 
 
-def test_an_interactive_step_holds_interactive_prompts_and_every_decoding_row():
-    """`schedule(interactive_only=True)` (run between a batch pass's blocks) plans the interactive
-    prompts, never a batch prompt (waiting or being prefilled) nor a tree; running batch groups decode
-    beside the interactive ones (a decode pass takes every row of the KV cache), and with no interactive
-    group at work it plans nothing, not even the batch groups' decoding. The next plain step has everyone."""
+def test_a_step_beside_a_batch_pass_holds_interactive_prompts_and_every_decoding_row():
+    """A step while a batch prompt-only pass is begun (`_beside_batch_pass`) goes on with the pass and
+    plans the interactive prompts beside it (a new interactive prompt-only pass in its place), never a
+    batch prompt (waiting or being prefilled); running batch groups decode beside the interactive ones
+    (a decode pass takes every row of the KV cache). The pass pauses while interactive work waits, and
+    with none it runs on (`should_pause`). Once it is done, the next step has everyone."""
     scheduler = Scheduler(SchedulerSettings(batch_step_tokens=16), prefill_chunk_tokens=32, interleaves=True)
     scheduler.add(batch("b-gen", 3, max_tokens=100))
     run(scheduler, scheduler.schedule())  # b-gen decodes from now on
     scheduler.add(batch("b-long", 64))
     run(scheduler, scheduler.schedule())  # b-long is being prefilled
     scheduler.add(batch("b-score", 10, max_tokens=0))
-    assert not scheduler.has_interactive_work and scheduler.schedule(interactive_only=True) is None
+    scheduler.add(batch("b-next", 10, max_tokens=0))
+    plan = scheduler.schedule()  # the pass of the batch scoring lines begins, beside the batch work
+    lines = plan.prompt_pass
+    assert names(plan.score) == ["b-score", "b-next"] and names(plan.decode) == ["b-gen"]
+    assert not scheduler.has_interactive_work and not scheduler.should_pause(lines)  # nothing to pause for
+    run(scheduler, plan, paused=True)
     scheduler.add(group("i-gen", 40, max_tokens=3))
     scheduler.add(group("i-score", 5, max_tokens=0))
-    assert scheduler.has_interactive_work
-    plan = scheduler.schedule(interactive_only=True)  # i-gen's prompt in chunks: b-gen decodes beside it
-    assert chunks(plan) == [("i-gen", 32)] and not plan.score and names(plan.decode) == ["b-gen"] and not plan.trees
-    run(scheduler, plan)
-    plan = scheduler.schedule(interactive_only=True)
+    assert scheduler.has_interactive_work and scheduler.should_pause(lines)
+    plan = scheduler.schedule()  # i-gen's prompt in chunks: b-gen decodes beside it; the pass goes on
+    assert chunks(plan) == [("i-gen", 32)] and plan.prompt_pass is lines and names(plan.decode) == ["b-gen"]
+    run(scheduler, plan, paused=True)
+    plan = scheduler.schedule()  # i-score's own pass, instead of the batch pass, this step
     assert chunks(plan) == [("i-gen", 8)] and names(plan.score) == ["i-score"] and names(plan.decode) == ["b-gen"]
+    assert plan.prompt_pass.steps is None and scheduler.passes == [lines, plan.prompt_pass]
     run(scheduler, plan)
-    plan = scheduler.schedule(interactive_only=True)
-    assert names(plan.decode) == ["b-gen", "i-gen"] and not plan.prefill and not plan.score
-    run(scheduler, plan)
+    plan = scheduler.schedule()
+    assert names(plan.decode) == ["b-gen", "i-gen"] and not plan.prefill and plan.prompt_pass is lines
+    run(scheduler, plan, paused=True)
     while scheduler.has_interactive_work:
-        plan = scheduler.schedule(interactive_only=True)
-        assert not any(g.is_batch for g in plan.score + [c.group for c in plan.prefill])
+        assert scheduler.should_pause(lines)
+        plan = scheduler.schedule()
+        assert plan.prompt_pass is lines and not any(c.group.is_batch for c in plan.prefill)
         assert any(not g.is_batch for g in plan.decode)
-        run(scheduler, plan)
-    assert scheduler.schedule(interactive_only=True) is None  # b-gen still decodes, but only in plain steps
+        run(scheduler, plan, paused=True)
+    assert not scheduler.should_pause(lines)  # b-gen still decodes, but in the steps around the pass
+    run(scheduler, scheduler.schedule())  # the pass's last step
+    assert not scheduler.passes
     plan = scheduler.schedule()  # the batch groups go on where they were
     assert names(plan.decode) == ["b-gen"] and chunks(plan) == [("b-long", 16)]
 
 
-def test_prompts_admitted_between_the_blocks_of_a_scoring_pass():
-    """`schedule_between_blocks` (a step between the blocks of an interactive prompt-only pass): the
+def test_prompts_admitted_beside_a_scoring_pass():
+    """A step while an interactive prompt-only pass is begun (`_beside_interactive_pass`): the
     interactive generations' prompts are admitted past the prompt-only groups queued ahead of them, and
     get a chunk; the prompt-only and batch groups stay queued in their order; the running rows decode
-    there only when the engine asks (once per `score_batch_tokens_decoding` tokens of the pass)."""
-    scheduler = Scheduler(prefill_chunk_tokens=8, interleaves=True)
+    there once the pass has run `score_batch_tokens_decoding` padded tokens since they last decoded."""
+    scheduler = Scheduler(SchedulerSettings(score_batch_tokens_decoding=512), prefill_chunk_tokens=8, interleaves=True)
     running = group("running", 3, max_tokens=10)
     scheduler.add(running)
     run(scheduler, scheduler.schedule())
@@ -585,27 +613,36 @@ def test_prompts_admitted_between_the_blocks_of_a_scoring_pass():
                  batch("line", 5), group("score3", 300, max_tokens=0)):
         scheduler.add(made)
     outer = scheduler.schedule()  # the pass of score1 alone (two would pass the budget), the running row
+    scoring = outer.prompt_pass
     assert names(outer.score) == ["score1"] and names(outer.decode) == ["running"] and not outer.prefill
+    run(scheduler, outer, paused=True)
     assert names(scheduler.waiting) == ["score2", "stream", "score3", "line"] and scheduler.has_prompts_to_admit
-    plan = scheduler.schedule_between_blocks()
-    assert chunks(plan) == [("stream", 8)] and not (plan.score or plan.decode or plan.trees)
+    assert scheduler.should_pause(scoring)
+    plan = scheduler.schedule()
+    assert chunks(plan) == [("stream", 8)] and plan.prompt_pass is scoring and not (plan.decode or plan.trees)
     assert "stream" not in names(scheduler.waiting) and names(scheduler.prefilling) == ["stream"]
     assert names(scheduler.waiting) == ["score2", "score3", "line"]
-    plan = scheduler.schedule_between_blocks(decode=True)
-    assert chunks(plan) == [("stream", 8)] and names(plan.decode) == ["running"]
-    assert chunks(scheduler.schedule_between_blocks()) == [("stream", 4)]
+    scoring.tokens = 512  # the pass ran that many padded tokens: the running rows are due a step
+    plan = scheduler.schedule()
+    assert chunks(plan) == [("stream", 8)] and names(plan.decode) == ["running"] and scoring.tokens == 0
+    assert chunks(scheduler.schedule()) == [("stream", 4)]
     scheduler.prefilled(scheduler.prefilling[0])
-    assert not scheduler.has_prompts_to_admit and scheduler.schedule_between_blocks() is None
+    assert not scheduler.has_prompts_to_admit and not scheduler.should_pause(scoring)
     assert names(scheduler.running) == ["running", "stream"]
-    plan = scheduler.schedule_between_blocks(decode=True)  # no prompt: the running rows alone
-    assert names(plan.decode) == ["running", "stream"] and not (plan.prefill or plan.score)
+    scoring.tokens = 600
+    assert scheduler.should_pause(scoring)
+    plan = scheduler.schedule()  # no prompt: the running rows alone, beside the pass
+    assert names(plan.decode) == ["running", "stream"] and not plan.prefill and plan.prompt_pass is scoring
 
 
 def test_no_prompt_to_admit_leaves_the_queue_as_it_is():
     scheduler = Scheduler(prefill_chunk_tokens=8, interleaves=True)
+    scoring = begun(scheduler, group("scoring", 30, max_tokens=0))
     for made in (group("score1", 30, max_tokens=0), batch("line", 5)):
         scheduler.add(made)
-    assert not scheduler.has_prompts_to_admit and scheduler.schedule_between_blocks() is None
+    assert not scheduler.has_prompts_to_admit and not scheduler.should_pause(scoring)
+    plan = scheduler.schedule()
+    assert plan.prompt_pass is scoring and not (plan.prefill or plan.decode)
     assert names(scheduler.waiting) == ["score1", "line"]
 
 

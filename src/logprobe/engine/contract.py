@@ -12,8 +12,7 @@ alone. `release(group)` drops that record, whatever state the group ended in.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
-from typing import Callable, Protocol, runtime_checkable
+from typing import Iterator, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -29,7 +28,8 @@ class Runner(Protocol):
     vocab_size: int
     # Prompt tokens per step beside decoding rows (the scheduler's chunk), or None: prompts prefilled whole.
     prefill_chunk_tokens: int | None
-    # Whether a batch prompt-only pass can stop between its blocks for interactive steps (`interleaved`).
+    # Whether a prompt-only pass yields between its blocks (`prompt_pass`), so that other work runs
+    # between them, or runs whole.
     interleaves: bool
     # The writer of prompt columns over this runner's head (prompt_columns.py): the logit lens reads
     # a layer's positions through it.
@@ -39,6 +39,12 @@ class Runner(Protocol):
     def prefill_batch(self, groups: list[SequenceGroup]) -> None:
         """Prompt-only groups (max_tokens 0): make each one's prompt columns where it asks for them
         (`prompt_columns` hands them over)."""
+
+    def prompt_pass(self, groups: list[SequenceGroup]) -> Iterator[int]:
+        """`prefill_batch` as steps: the engine advances it a step at a time (next()), the runner
+        yielding where it may be paused (the padded positions a block just ran, 0 before a run of the
+        head; nowhere where not `interleaves`) and the pass done when it stops. Between two of its
+        steps the engine runs others (decode, prompts, other passes): the pass holds no state they touch."""
 
     def prefill_chunks(self, chunks: list[tuple[SequenceGroup, int]]) -> list[torch.Tensor | None]:
         """The next chunk of each (group, budget)'s prompt; per group the log probabilities of its first
@@ -81,14 +87,6 @@ class Runner(Protocol):
 
     def tree_pass(self, tree) -> torch.Tensor:
         """A token tree's next level (its prompt first): [rows, V] raw log probabilities."""
-
-    # ---- interleaving batch passes with interactive steps ----------------------------------
-    def interleaved(self, step: Callable[[int], None]) -> AbstractContextManager:
-        """Within it, a prompt-only pass calls `step(tokens)` between its blocks (only where `interleaves`):
-        `tokens` the padded positions the block just done went through (0 before a run of the head)."""
-
-    def interleaving_paused(self) -> AbstractContextManager:
-        """Within it (an interactive step run from `step()`), passes do not call `step()`."""
 
     # ---- activations -----------------------------------------------------------------------
     def residual_stream(self, ids: list[int], layers: list[int], edits: Edits | None = None) -> dict[int, np.ndarray]:

@@ -36,7 +36,7 @@ from .runners.interventions import Edits
 from .host.output_processor import OutputProcessor
 from .host.picks import Pick, pick_plain_groups, split_plain_picks
 from .host.request import SequenceGroup
-from .host.scheduler import Chunk, Plan, Scheduler
+from .host.scheduler import Chunk, Plan, PromptPass, Scheduler
 from .device.tree_passes import grow_tree
 from .device.steering import steering_of
 
@@ -58,7 +58,6 @@ class EngineCore:
         self.scheduler = Scheduler(scheduling, prefill_chunk_tokens=runner.prefill_chunk_tokens,
                                    interleaves=runner.interleaves, start_prompt=runner.start_prompt)
         self.outputs = OutputProcessor(info.context_length)
-        self._block_tokens = 0  # padded tokens of an interactive prompt-only pass since its rows last decoded
         self._inbox: queue.SimpleQueue[SequenceGroup | None] = queue.SimpleQueue()
         # held while one submit puts its groups: the loop takes them all into one schedule, never part
         self._submitting = threading.Lock()
@@ -118,13 +117,13 @@ class EngineCore:
             self.step(plan)
         except Exception as exc:  # a bug in a shared pass: fail its requests, reset, check
             log.exception("engine step failed for %s", ", ".join(g.request_id for g in plan.groups))
-            self._step_failed(plan.groups, exc)
+            self._step_failed(plan, exc)
             return
         if not self.runner.is_consistent(self.scheduler.running):
             # a request's failure after the shared pass left shared state out of step
             exc = RuntimeError("the KV cache is out of step with the running requests")
             log.error("%s after a step of %s", exc, ", ".join(g.request_id for g in plan.groups))
-            self._step_failed(plan.groups, exc)
+            self._step_failed(plan, exc)
             return
         self.health_state.step_succeeded()
         if self.step_observer is not None:
@@ -174,13 +173,17 @@ class EngineCore:
     def step(self, plan: Plan) -> None:
         """One engine step, the plan's items in order: the edits of the prompts that start (a clean pass
         per patch), one decode step for every running group, the next chunk of the prompts being
-        prefilled (several short prompts share one forward pass), a batch of prompt-only groups, a level
-        of each token tree (its own pass), and the captures of the groups that finished before it (a
-        pass over each choice's tokens), after which their answers go out."""
+        prefilled (several short prompts share one forward pass), a prompt-only pass advanced (to its
+        end, or until other work waits: `_advance`), a level of each token tree (its own pass), and the
+        captures of the groups that finished before it (a pass over each choice's tokens), after which
+        their answers go out. Every item's passes run here, one after another: none runs a step inside."""
         self.num_steps += 1
         for group in plan.edits:  # a request whose edits fail leaves the plan
             self._per_request(group, self._resolve)
         plan.drop_failed()
+        if plan.prompt_pass is not None and not plan.prompt_pass.groups:  # every group of it failed its edits
+            self.scheduler.pass_done(plan.prompt_pass)
+            plan.prompt_pass = None
         # Decode first: the batch is then exactly the running groups' rows (a group whose prompt
         # finishes in this step joins the batch in the next one). Where the runner can, the decode rows
         # and the prompts' chunks share one pass (one read of the weights).
@@ -188,8 +191,8 @@ class EngineCore:
             self._decode(plan.decode, plan.prefill)
         elif plan.prefill:
             self._prefill(plan.prefill)
-        if plan.score:
-            self._score(plan.score)
+        if plan.prompt_pass is not None:
+            self._advance(plan.prompt_pass)
         for tree in plan.trees:  # each its own pass over its prompt or its newest level (engine/host/tree.py)
             self._per_request(tree, self._grow_tree)
         for group in plan.captures:
@@ -267,57 +270,34 @@ class EngineCore:
         self.scheduler.prefilled(group)
         self._after_step(group)
 
-    def _score(self, groups: list[SequenceGroup]) -> None:
-        if self.scheduler.interleaves:  # a batch pass lets interactive steps in; an interactive one, prompts
-            self._block_tokens = 0  # and decode steps (the step this pass is in decoded the rows already)
-            with self.runner.interleaved(self._interactive_step if groups[0].is_batch else self._between_blocks):
-                self.runner.prefill_batch(groups)
-        else:
-            self.runner.prefill_batch(groups)
-        for group in groups:
+    def _advance(self, prompt_pass: PromptPass) -> None:
+        """Run the prompt-only pass (begun here at its first step: the runner's `prompt_pass`) to its end,
+        or to the first of its pause points (after a block, before a head run) where the scheduler has
+        other work waiting (`Scheduler.should_pause`, after taking new requests from the inbox): the
+        step ends there and a later one goes on with the pass. An interactive request thus waits for a
+        block of a long pass, not for the pass. When the pass ends, its groups' answers go out."""
+        if prompt_pass.steps is None:
+            prompt_pass.steps = self.runner.prompt_pass(prompt_pass.groups)
+        try:
+            for positions in prompt_pass.steps:  # per block: the positions it ran through; 0 before a head run
+                if self._pause_point(prompt_pass, positions):
+                    return  # paused: the scheduler keeps it for a later step
+        except BaseException:
+            self.scheduler.pass_done(prompt_pass)  # failed: its groups fail with the step (_step_failed)
+            raise
+        self.scheduler.pass_done(prompt_pass)
+        for group in prompt_pass.groups:
             group.prompt_columns = self.runner.prompt_columns(group)
             group.num_cached_tokens = self.runner.cached_tokens(group)
             self.outputs.finish_prompt_only(group)
             self._per_request(group, self._after_step)
 
-    def _interactive_step(self, tokens: int = 0) -> None:
-        """Between two blocks of a batch pass (and before each chunk of its head): a step of the
-        interactive groups, when there are any (new requests are taken from the inbox first). An
-        interactive request thus waits for a block of batch work, not for the pass; while interactive
-        groups decode, the pass advances a block per step of theirs. The step is a whole one (its own
-        passes; failures handled as any step's), with no batch prompt in it (running batch rows decode
-        in its decode pass, which takes every row of the KV cache), and never itself interleaved."""
+    def _pause_point(self, prompt_pass: PromptPass, positions: int) -> bool:
+        """At a pause point of the pass (`positions`: what the block just done ran, 0 before a head run):
+        take new requests from the inbox, and whether the step should end here (Scheduler.should_pause)."""
+        prompt_pass.tokens += positions / self.info.num_layers  # in the pass's padded positions
         self._drain_inbox(block=False)
-        if not self.scheduler.has_interactive_work:
-            return
-        with self.runner.interleaving_paused():
-            plan = self.scheduler.schedule(interactive_only=True)
-            self._finish_dropped()
-            if plan is not None:
-                self._run_step(plan)
-
-    def _between_blocks(self, tokens: int = 0) -> None:
-        """Between two blocks of an interactive prompt-only pass (`tokens`: the padded positions of the
-        block just done): a step of the interactive generations' prompts that wait or are being prefilled,
-        so a stream that arrives while scoring requests queue gets its first token after a block of
-        scoring, not after each of their passes; the captures of interactive groups that finished; and a
-        decode step of the running rows once per
-        `score_batch_tokens_decoding` padded tokens of the pass (counted over all its blocks), so that a
-        long scoring prompt does not stall them for its whole pass (Scheduler.schedule_between_blocks).
-        Its own passes are not interleaved."""
-        self._drain_inbox(block=False)
-        self._block_tokens += tokens
-        decode = bool(self.scheduler.running) and \
-            self._block_tokens >= self.info.num_layers * self.scheduler.score_batch_tokens_decoding
-        if not (decode or self.scheduler.has_prompts_to_admit or self.scheduler.has_interactive_captures):
-            return
-        if decode:
-            self._block_tokens = 0
-        with self.runner.interleaving_paused():
-            plan = self.scheduler.schedule_between_blocks(decode)
-            self._finish_dropped()
-            if plan is not None:
-                self._run_step(plan)
+        return self.scheduler.should_pause(prompt_pass)
 
     def _grow_tree(self, tree) -> None:
         grow_tree(self.runner, tree, self.new_grammar_state)
@@ -388,13 +368,16 @@ class EngineCore:
             except Exception:  # never let a request's callback stop the loop that serves the others
                 log.exception("on_finish callback failed for %s", group.request_id)
 
-    def _step_failed(self, groups: list[SequenceGroup], exc: Exception) -> None:
+    def _step_failed(self, plan: Plan, exc: Exception) -> None:
         """Fail the step's requests and every other one holding shared state, rebuild that state (the
         KV cache) from nothing, and queue a self-check: a failure never leaves the engine half-broken,
-        and /health says "failing" until a step succeeds."""
+        and /health says "failing" until a step succeeds. A prompt-only pass the failure did not come
+        from (one paused, or not begun when the step failed) holds no shared state: it goes on."""
         self.health_state.step_failed(exc)
         if self.failure_observer is not None:
             self.failure_observer("step")
+        going_on = {id(g) for p in self.scheduler.passes for g in p.groups}
+        groups = [g for g in plan.groups if id(g) not in going_on]
         holding = {id(g): g for g in [*groups, *self.scheduler.running, *self.scheduler.prefilling]}
         for group in holding.values():
             if not group.is_finished and group.error is None:

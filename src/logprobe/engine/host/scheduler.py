@@ -1,6 +1,6 @@
 """What runs in the next engine step: every scheduling decision, made on groups alone (no model).
 
-Each step the scheduler hands the engine a `Plan`: a batch of prompt-only groups (scoring, echo with
+Each step the scheduler hands the engine a `Plan`: a pass of prompt-only groups (scoring, echo with
 max_tokens 0: they share one padded forward pass) when one is first in line, one decode step of every
 running group (one batched pass over all their rows), and the next chunk of each prompt being prefilled.
 A new request therefore joins the running batch within a step or two, finished ones leave at once, and
@@ -18,21 +18,24 @@ prompts set aside do not fill `max_prefilling` or `prefill_tokens` for them). Ba
 arriving finds a slot at once); past that, the next free slot goes to the interactive group. When
 nothing interactive waits, batch groups fill the machine up to their slots.
 Batch work is also cut small: a step gives batch groups at most `batch_step_tokens` prompt tokens
-of prefill chunks, so an interactive request arriving mid-step waits for that much work at most. A
-batch prompt-only pass (scoring lines) is longer, up to `batch_pass_tokens`, where the runner can stop
-between its blocks (`interleaves`, the lean runner): the engine serves interactive steps there
-(`schedule(interactive_only=True)`, core.py), so such a pass delays an interactive request by a block,
-not by the pass. Where it cannot, a batch prompt-only pass holds `batch_step_tokens` at most, and a
-longer scoring line is prefilled in chunks.
-An interactive prompt-only pass (a `/v1/score` request, up to `score_batch_tokens` padded tokens) stops
-between its blocks too, where the runner can (`schedule_between_blocks`): the prompts of interactive
-generations are admitted past the prompt-only groups queued before them, so a stream's first token
-waits for a block of scoring, not for every queued score pass, and the running rows decode a step
-there once per `score_batch_tokens_decoding` padded tokens of the pass, so that one long prompt does not
-stall them. While rows decode, such a pass takes `score_batch_tokens_decoding` padded tokens (a longer
-prompt alone): a pass of eight 500-token requests beside 16 decoding streams gained no measurable
-throughput and made its blocks, which an arriving stream's first token waits for, eight times longer
-(docs/performance.md, Mixed load).
+of prefill chunks, so an interactive request arriving mid-step waits for that much work at most.
+
+A prompt-only pass (`PromptPass`) is a plan item that may take several steps, where the runner can
+pause it between its blocks (`interleaves`, the lean runner): each step advances it until the work
+that waits is worth a step of its own (`should_pause`), and the next plan goes on with it beside that
+work. No step runs inside another. A batch prompt-only pass (scoring lines) is therefore longer, up to
+`batch_pass_tokens`: it pauses at the next block whenever an interactive group has work
+(`_beside_batch_pass`), so it delays an interactive request by a block, not by the pass. Where the runner
+cannot pause, a batch prompt-only pass holds `batch_step_tokens` at most, and a longer scoring line is
+prefilled in chunks.
+An interactive prompt-only pass (a `/v1/score` request, up to `score_batch_tokens` padded tokens) pauses
+too (`_beside_interactive_pass`): the prompts of interactive generations are admitted past the
+prompt-only groups queued before them, so a stream's first token waits for a block of scoring, not for
+every queued score pass, and the running rows decode a step once per `score_batch_tokens_decoding`
+padded tokens of the pass, so that one long prompt does not stall them. While rows decode, such a pass
+takes `score_batch_tokens_decoding` padded tokens (a longer prompt alone): a pass of eight 500-token
+requests beside 16 decoding streams gained no measurable throughput and made its blocks, which an
+arriving stream's first token waits for, eight times longer (docs/performance.md, Mixed load).
 
 The scheduler keeps how many prompt tokens of each group have been computed
 (`SequenceGroup.num_computed_tokens`): from the prefix cache's hit when the group is admitted to
@@ -61,9 +64,33 @@ class Chunk(NamedTuple):
     num_tokens: int
 
 
+@dataclass(eq=False)
+class PromptPass:
+    """Prompt-only groups (scoring, echo with max_tokens 0) in one padded pass, which may take several
+    steps: the engine advances it in each step the scheduler plans it (`Plan.prompt_pass`), block by
+    block, until it is done or the scheduler has other work waiting (`Scheduler.should_pause`); the
+    next step goes on where it stopped. `steps` is the runner's pass in progress (its `prompt_pass`,
+    made and advanced by the engine; opaque here), `tokens` the padded positions it has run since the
+    running rows last decoded."""
+
+    groups: list[SequenceGroup]
+    steps: object = None
+    tokens: float = 0.0
+
+    @property
+    def is_batch(self) -> bool:
+        return self.groups[0].is_batch
+
+
 @dataclass
 class Plan:
-    score: list[SequenceGroup] = field(default_factory=list)  # prompt-only groups, one padded pass
+    """One engine step's items, run in this order (engine/core.py `step`): the interventions of the
+    prompts that start (`edits`), one decode step of every running group, the next chunk of each prompt
+    being prefilled (with the decode rows in one pass where the runner can), a prompt-only pass advanced
+    (started, or resumed where an earlier step paused it), a level of each token tree, and the captures
+    of the groups that finished before."""
+
+    prompt_pass: PromptPass | None = None  # advanced in this step: to its end, or until others' work waits
     prefill: list[Chunk] = field(default_factory=list)  # prompt chunks, in order, packed in one pass
     decode: list[SequenceGroup] = field(default_factory=list)  # one token for each active row
     trees: list[TreeGroup] = field(default_factory=list)  # token trees: a level (a pass) of each (engine/host/tree.py)
@@ -75,13 +102,20 @@ class Plan:
     edits: list[SequenceGroup] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
-        self.edits = [g for g in self.score + [c.group for c in self.prefill]
+        starting = self.score if self.prompt_pass is not None and self.prompt_pass.steps is None else []
+        self.edits = [g for g in starting + [c.group for c in self.prefill]
                       if g.params.interventions and g.edits is None]
+
+    @property
+    def score(self) -> list[SequenceGroup]:
+        """The groups of the prompt-only pass this step advances."""
+        return [] if self.prompt_pass is None else self.prompt_pass.groups
 
     def drop_failed(self) -> None:
         """Leave out the prompts whose groups failed before the passes (their edits could not be made)."""
         self.prefill = [c for c in self.prefill if c.group.error is None]
-        self.score = [g for g in self.score if g.error is None]
+        if self.prompt_pass is not None:
+            self.prompt_pass.groups = [g for g in self.prompt_pass.groups if g.error is None]
 
     @property
     def groups(self) -> list[SequenceGroup]:
@@ -135,6 +169,9 @@ class Scheduler:
         self.dropped: list[SequenceGroup] = []  # aborted groups whose resources the engine must free
         self.trees: list[TreeGroup] = []  # token trees growing, a level per step each, beside the other work
         self.capturing: list[SequenceGroup] = []  # finished groups whose captures the next step reads
+        # prompt-only passes begun and not done: at most a batch one, then an interactive one begun while
+        # the batch one was paused (the last is the one the steps advance)
+        self.passes: list[PromptPass] = []
         self.last_prompt_only = 0  # groups in the last interactive prompt-only batch that ran alone
 
     def add(self, group: SequenceGroup) -> None:
@@ -166,66 +203,65 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.prefilling or self.trees or self.capturing)
+        return bool(self.waiting or self.running or self.prefilling or self.trees or self.capturing or self.passes)
 
     @property
     def num_in_flight(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.prefilling) + len(self.trees) + len(self.capturing)
+        return (len(self.waiting) + len(self.running) + len(self.prefilling) + len(self.trees) + len(self.capturing)
+                + sum(len(p.groups) for p in self.passes))
 
-    def schedule(self, interactive_only: bool = False) -> Plan | None:
-        """The next step's work, or None when idle: a batch of prompt-only groups (when one is first in
-        line), a chunk of each prompt being prefilled (new ones join while their tokens fit
-        `prefill_tokens`), and one decode step of every running group. Aborted groups are dropped first,
-        before they cost a forward pass (`take_dropped` hands them over). `interactive_only`: a step for
-        the interactive groups, run between the blocks of a batch pass: no batch prompt, no tree and no
-        batch group's captures in it (running batch groups decode beside them: a decode pass takes every
-        row of the KV cache), and None when no interactive group has work. The captures of the groups
-        that finished are read in the step (`captures`), before their answers go out."""
+    def schedule(self) -> Plan | None:
+        """The next step's work, or None when idle. Aborted groups are dropped first, before they cost a
+        forward pass (`take_dropped` hands them over). With no prompt-only pass begun: a new one (when
+        prompt-only groups are first in line), a chunk of each prompt being prefilled (new ones join
+        while their tokens fit `prefill_tokens`), one decode step of every running group, a level of
+        each tree and the captures of the groups that finished (read in the step, before their answers
+        go out). While a pass is begun, the step goes on with it beside the work that paused it
+        (`_beside_batch_pass`, `_beside_interactive_pass`)."""
         self._drop_aborted()
+        if self.passes and not self.passes[-1].is_batch:
+            return self._beside_interactive_pass(self.passes[-1])
+        if self.passes:
+            return self._beside_batch_pass(self.passes[-1])
         interactive_waited = self.is_interactive_waiting  # then no batch group takes new budget this step
-        score = self._take_prompt_only() if self._prompt_only_first(interactive_only) else []
-        self._admit_to_prefill(interactive_waited or interactive_only)
-        prefilling, running = self.prefilling, self.running
-        captures = [g for g in self.capturing if not (interactive_only and g.is_batch)]
-        if interactive_only:
-            # Batch rows that decode stay in the step: a decode pass runs every row the KV cache holds.
-            prefilling = [g for g in prefilling if not g.is_batch]
-            if not (score or prefilling or captures or any(not g.is_batch for g in running)):
-                return None
-        trees = [] if interactive_only else list(self.trees)
-        if not (score or prefilling or running or trees or captures):
+        new_pass = self._begin_pass() if self._prompt_only_first() else None
+        self._admit_to_prefill(interactive_waited)
+        prefilling, running, captures, trees = self.prefilling, self.running, self.capturing, list(self.trees)
+        if not (new_pass or prefilling or running or trees or captures):
             return None
-        self.capturing = [g for g in self.capturing if g not in captures]
+        self.capturing = []
         # a step with an interactive prompt in it gives batch prompts no chunk: that step stays short
-        interactive_prompt = any(not g.is_batch for g in [*score, *prefilling])
+        interactive_prompt = any(not g.is_batch for g in [*(new_pass.groups if new_pass else []), *prefilling])
         prefilling = [g for g in prefilling if not (interactive_prompt and g.is_batch)]
-        plan = Plan(score=score, prefill=self._chunks(prefilling, decoding=bool(running)),
+        plan = Plan(prompt_pass=new_pass, prefill=self._chunks(prefilling, decoding=bool(running)),
                     decode=list(running), trees=trees, captures=captures)
-        if score and not (plan.prefill or plan.decode or score[0].is_batch):
-            self.last_prompt_only = len(score)
+        if new_pass and not (plan.prefill or plan.decode or new_pass.is_batch):
+            self.last_prompt_only = len(new_pass.groups)
         return plan
 
-    @property
-    def has_prompts_to_admit(self) -> bool:
-        """Whether an interactive generation's prompt waits (behind prompt-only groups or not) or is
-        being prefilled: what `schedule_between_blocks` would run."""
-        return any(not g.is_batch and g.params.max_tokens > 0 for g in self.waiting) or \
-            any(not g.is_batch for g in self.prefilling)
+    def _beside_batch_pass(self, batch_pass: PromptPass) -> Plan:
+        """A step while a batch prompt-only pass is begun: the pass goes on, and beside it the interactive
+        groups' work: their prompts (a new interactive prompt-only pass, which this step advances
+        instead, or chunks of their prompts; no batch prompt), the captures of interactive groups that
+        finished, a level of each tree, and a decode step of every running group (batch ones too: a decode
+        pass takes every row of the KV cache). The pass pauses for the next such step while interactive
+        work waits (`should_pause`), so an interactive request waits for a block of batch work, not for
+        the pass, and while interactive groups decode, the pass advances a block per step of theirs."""
+        new_pass = self._begin_pass() if self._prompt_only_first(interactive_only=True) else None
+        self._admit_to_prefill(no_batch=True)
+        prefilling = [g for g in self.prefilling if not g.is_batch]
+        captures = [g for g in self.capturing if not g.is_batch]
+        self.capturing = [g for g in self.capturing if g.is_batch]
+        return Plan(prompt_pass=new_pass or batch_pass, prefill=self._chunks(prefilling, decoding=bool(self.running)),
+                    decode=list(self.running), trees=list(self.trees), captures=captures)
 
-    @property
-    def has_interactive_captures(self) -> bool:
-        """Whether an interactive group that finished waits for its captures."""
-        return any(not g.is_batch for g in self.capturing)
-
-    def schedule_between_blocks(self, decode: bool = False) -> Plan | None:
-        """A step run between the blocks of an interactive prompt-only pass (core.py): interactive
-        generations' prompts, admitted past the prompt-only groups queued ahead of them (each of which
-        would otherwise hold them for a whole pass), a chunk of each interactive prompt being prefilled,
-        the captures of interactive groups that finished, and with `decode` a decode step of every running
-        group (batch ones too: a decode pass takes every row of the KV cache; the engine asks for one per
-        `score_batch_tokens_decoding` tokens of the pass). No prompt-only group, no batch prompt, no tree.
-        None when there is nothing of that."""
-        self._drop_aborted()
+    def _beside_interactive_pass(self, current: PromptPass) -> Plan:
+        """A step while an interactive prompt-only pass is begun: the pass goes on, and beside it the
+        interactive generations' prompts, admitted past the prompt-only groups queued ahead of them (each
+        of which would otherwise hold them for a whole pass) and prefilled a chunk a step, the captures
+        of interactive groups that finished, a level of each tree, and a decode step of every running group
+        (batch ones too) once the pass has run `score_batch_tokens_decoding` padded tokens since they last
+        decoded, so that a long prompt does not stall them. No new prompt-only pass, no batch prompt."""
         i = 0
         while i < len(self.waiting) and not self.waiting[i].is_batch:
             group = self.waiting[i]
@@ -239,13 +275,46 @@ class Scheduler:
                 break
             del self.waiting[i]
             self._begin_prefill(group)
+        decode = bool(self.running) and current.tokens >= self.score_batch_tokens_decoding
+        if decode:
+            current.tokens = 0
         prefilling = [g for g in self.prefilling if not g.is_batch]
-        running = list(self.running) if decode else []
         captures = [g for g in self.capturing if not g.is_batch]
-        if not (prefilling or running or captures):
-            return None
-        self.capturing = [g for g in self.capturing if g not in captures]
-        return Plan(prefill=self._chunks(prefilling, decoding=True), decode=running, captures=captures)
+        self.capturing = [g for g in self.capturing if g.is_batch]
+        return Plan(prompt_pass=current, prefill=self._chunks(prefilling, decoding=True),
+                    decode=list(self.running) if decode else [], trees=list(self.trees), captures=captures)
+
+    def should_pause(self, prompt_pass: PromptPass) -> bool:
+        """Whether the engine should end its step at the pass's next pause point (after a block, before a
+        head run) for the work that waits: for a batch pass, any interactive work (or a tree); for an
+        interactive one, an interactive generation's prompt to admit or prefill, an interactive group's
+        captures, or running rows due a decode step."""
+        if prompt_pass.is_batch:
+            return self.has_interactive_work or bool(self.trees)
+        return self.has_prompts_to_admit or self.has_interactive_captures or \
+            (bool(self.running) and prompt_pass.tokens >= self.score_batch_tokens_decoding)
+
+    def pass_done(self, prompt_pass: PromptPass) -> None:
+        """The pass ended (its groups are answered) or failed."""
+        if prompt_pass in self.passes:
+            self.passes.remove(prompt_pass)
+
+    def _begin_pass(self) -> PromptPass:
+        new_pass = PromptPass(self._take_prompt_only())
+        self.passes.append(new_pass)
+        return new_pass
+
+    @property
+    def has_prompts_to_admit(self) -> bool:
+        """Whether an interactive generation's prompt waits (behind prompt-only groups or not) or is
+        being prefilled: what a step beside an interactive pass would run."""
+        return any(not g.is_batch and g.params.max_tokens > 0 for g in self.waiting) or \
+            any(not g.is_batch for g in self.prefilling)
+
+    @property
+    def has_interactive_captures(self) -> bool:
+        """Whether an interactive group that finished waits for its captures."""
+        return any(not g.is_batch for g in self.capturing)
 
     def _prompt_only_first(self, interactive_only: bool = False) -> bool:
         if not self.waiting or (interactive_only and self.waiting[0].is_batch):

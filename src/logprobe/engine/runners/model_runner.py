@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -200,13 +201,12 @@ class ModelRunner:
 
     # ---- the runner contract (contract.py; the lean runner implements the same) ----------------
     prefill_chunk_tokens = None  # a prompt is prefilled whole
-    interleaves = False  # a prompt-only pass runs whole
+    interleaves = False  # a prompt-only pass runs whole, in the step that starts it
 
-    def interleaved(self, step):
-        return contextlib.nullcontext()
-
-    def interleaving_paused(self):
-        return contextlib.nullcontext()
+    def prompt_pass(self, groups: list[SequenceGroup]) -> Iterator[int]:
+        """`prefill_batch` as the contract's steps: the whole pass at the first, no point between."""
+        self.prefill_batch(groups)
+        yield from ()
 
     RECOMPUTED_TOKENS = 8192  # tokens per pass of a tree's recomputed paths (rows x their length)
 

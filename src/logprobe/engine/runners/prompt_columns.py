@@ -7,7 +7,7 @@ probability, its rank and the top-k, and the instruments' extras) before anythin
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Generator, Iterator, TypeVar
 
 import numpy as np
 import torch
@@ -19,6 +19,19 @@ from ..host.request import PromptColumns, SamplingParams
 POSITION_CHUNK = 256  # prompt positions whose logits are materialised at once, at most
 CHUNK_ENTRIES = 256 * 49_152  # ... and at most this many logits (positions x vocabulary): 48 positions
 # for Gemma 3's 262,144 tokens, whose working memory at 256 positions measured 3.49 GB against 0.69 GB
+
+
+T = TypeVar("T")
+
+
+def drain(steps: Generator[int, None, T]) -> T:
+    """Run a pass given as steps (a generator that yields at each point where it may be paused: after a
+    block, before a run of the head) to its end, and return what it returns."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 class CaptureDone(Exception):
@@ -58,18 +71,30 @@ class PromptColumnWriter:
 
     def whole(self, hidden: torch.Tensor, ids: torch.Tensor, params: SamplingParams) -> PromptColumns:
         """The columns of a prompt `ids` [P] whose every position's state is in `hidden` [P, D]."""
+        return drain(self.whole_steps(hidden, ids, params))
+
+    def whole_steps(self, hidden: torch.Tensor, ids: torch.Tensor, params: SamplingParams,
+                    chunk: int | None = None) -> Generator[int, None, PromptColumns]:
+        """`whole` as steps (`fill_steps`)."""
         cols = self.new(ids.shape[0], params)
-        self.fill(cols, hidden, ids, 0)
+        yield from self.fill_steps(cols, hidden, ids, 0, chunk)
         return cols
 
     def fill(self, cols: PromptColumns, hidden: torch.Tensor, ids: torch.Tensor, first: int) -> None:
         """Fill the rows predicted by `hidden` ([C, D], the states at positions first..first+C-1): the
         distribution at position i predicts the prompt token at i + 1."""
+        drain(self.fill_steps(cols, hidden, ids, first))
+
+    def fill_steps(self, cols: PromptColumns, hidden: torch.Tensor, ids: torch.Tensor, first: int,
+                   chunk: int | None = None) -> Iterator[int]:
+        """`fill` as steps: yields 0 before each run of the head, over `chunk` positions at most (fewer
+        than `chunk_positions` where a pass that others may pause wants short runs)."""
         num, k = ids.shape[0], cols.top_ids.shape[1]
         last = min(first + hidden.shape[0], num - 1)  # the state at the final position predicts no prompt token
-        chunk = self.chunk_positions
+        chunk = min(chunk or self.chunk_positions, self.chunk_positions)
         for start in range(first, last, chunk):
             stop = min(start + chunk, last)
+            yield 0
             logprobs = self.logprobs_of(hidden[start - first:stop - first])  # [C, V]
             target = ids[start + 1:stop + 1]
             target_lp = logprobs.gather(1, target[:, None])  # [C, 1]

@@ -13,6 +13,8 @@ After the pass, each shared prefix and each prompt's own whole blocks go into th
 
 from __future__ import annotations
 
+from typing import Generator, Iterator
+
 import numpy as np
 import torch
 
@@ -37,11 +39,12 @@ class PromptBatches:
     def __init__(self, runner):
         self.runner = runner
 
-    def run(self, groups: list[SequenceGroup]) -> None:
+    def steps(self, groups: list[SequenceGroup], head_positions: int | None = None) -> Iterator[int]:
         """Fill each group's prompt columns (where it asks for them) from right-padded passes of like
-        lengths (or `run_shared`'s, where prompts share a prefix). The plain causal mask is enough:
-        padding sits after each prompt, so a real position never sees it (padded positions' outputs
-        are dropped)."""
+        lengths (or `run_shared`'s, where prompts share a prefix), as steps (LeanRunner.prompt_pass):
+        yields after each block and before each head run of `head_positions` at most. The plain causal
+        mask is enough: padding sits after each prompt, so a real position never sees it (padded
+        positions' outputs are dropped)."""
         cache = self.runner.prefix_cache
         # A group with interventions runs a modified forward pass: its keys and values are not those of
         # its tokens alone, so it neither uses nor seeds the prefix cache, nor shares a prefix in the batch.
@@ -67,11 +70,12 @@ class PromptBatches:
             if i not in taken:
                 self.runner.record(groups[i]).cached = length
         if clusters:
-            return self.run_shared(groups, clusters)
+            yield from self.run_shared(groups, clusters, head_positions)
+            return
         for members in by_length([g.num_prompt_tokens for g in groups], self.MAX_PADDING, self.PASS_COST_TOKENS):
-            self.run_plain([groups[i] for i in members])
+            yield from self.run_plain([groups[i] for i in members], head_positions)
 
-    def run_plain(self, groups: list[SequenceGroup]) -> None:
+    def run_plain(self, groups: list[SequenceGroup], head_positions: int | None) -> Iterator[int]:
         """One right-padded pass of whole prompts, each from position 0."""
         runner = self.runner
         plain = [i for i, g in enumerate(groups) if not g.params.interventions]
@@ -87,12 +91,12 @@ class PromptBatches:
         meta = PassMeta(torch.arange(longest, device=runner.device)[None].expand(len(groups), -1), masks, read=read,
                         keep=seeds.keep if seeds else None)
         edit = segment_editor([(row, 0, lengths[row], g.edits) for row, g in enumerate(groups)])
-        hidden = runner.forward(ids, meta, edit=edit)
-        self.fill_columns(groups, hidden, ids, lengths)
+        hidden = yield from runner.forward_steps(ids, meta, edit=edit)
+        yield from self.fill_columns(groups, hidden, ids, lengths, head_positions)
         seeds.insert(hidden)
 
     def fill_columns(self, groups: list[SequenceGroup], hidden: torch.Tensor, ids: torch.Tensor,
-                     lengths: list[int]) -> None:
+                     lengths: list[int], head_positions: int | None) -> Iterator[int]:
         """Each group's prompt columns from a pass's hidden states [B, T, D] and ids [B, T]. Prompts
         whose columns have the same shape go through the head together: the positions that predict a
         token, of all of them, in one run of `columns.fill`, then cut per prompt. A short prompt alone
@@ -108,12 +112,13 @@ class PromptBatches:
             if len(rows) == 1 or params.prompt_logprobs == -1 or params.position_token_ids:
                 for row in rows:
                     n = lengths[row]
-                    runner.record(groups[row]).columns = runner.columns.whole(hidden[row, :n], ids[row, :n], params)
+                    runner.record(groups[row]).columns = yield from runner.columns.whole_steps(
+                        hidden[row, :n], ids[row, :n], params, head_positions)
                 continue
             states = torch.cat([hidden[row, :lengths[row] - 1] for row in rows])  # each predicts the next token
             targets = torch.cat([ids[row, 1:lengths[row]] for row in rows])
             together = runner.columns.new(1 + states.shape[0], params)  # row 0: before the first target
-            runner.columns.fill(together, states, torch.cat([targets[:1], targets]), 0)
+            yield from runner.columns.fill_steps(together, states, torch.cat([targets[:1], targets]), 0, head_positions)
             start = 1
             for row in rows:
                 cols = runner.columns.new(lengths[row], params)
@@ -121,7 +126,8 @@ class PromptBatches:
                 runner.record(groups[row]).columns = cols
                 start += lengths[row] - 1
 
-    def run_shared(self, groups: list[SequenceGroup], clusters: list[tuple]) -> None:
+    def run_shared(self, groups: list[SequenceGroup], clusters: list[tuple], head_positions: int | None
+                   ) -> Iterator[int]:
         """`clusters`: (length, members) for a prefix the members share within the batch, or (length,
         members, (keys, values, hidden)) for one kept in the prefix cache. Each shared prefix runs once
         (its keys, values and final hidden states kept); a kept one does not run at all. Then every
@@ -141,7 +147,7 @@ class PromptBatches:
             else:
                 copies.update((m, length) for m in members)
                 prefix = groups[members[0]].prompt_ids[:length]
-                keys, values, hidden = self.run_prefix(prefix)
+                keys, values, hidden = yield from self.run_prefix(prefix)
                 ran.append((prefix, keys, values, hidden))
             for m in members:
                 prefix_of[m] = (length, keys, values, hidden)
@@ -156,7 +162,7 @@ class PromptBatches:
         meta.keep = seeds.keep if seeds else None
         # rows with interventions have no prefix: their own tokens are the whole prompt, from position 0
         edit = segment_editor([(row, 0, own[row], g.edits) for row, g in enumerate(groups)])
-        hidden = runner.forward(ids.to(runner.device), meta, edit=edit)
+        hidden = yield from runner.forward_steps(ids.to(runner.device), meta, edit=edit)
         done: list[tuple] = []  # (prefix hidden, params, columns with the prefix's rows filled)
         for row, g in enumerate(groups):
             if not g.params.needs_prompt_logits:
@@ -164,7 +170,7 @@ class PromptBatches:
             full = torch.tensor(g.prompt_ids, dtype=torch.long, device=runner.device)
             mine = hidden[row, :own[row]]
             if row not in prefix_of:
-                runner.record(g).columns = runner.columns.whole(mine, full, g.params)
+                runner.record(g).columns = yield from runner.columns.whole_steps(mine, full, g.params, head_positions)
                 continue
             # Rows 1..P-1 (the prefix's own tokens) are the same for every prompt of the prefix: reduced
             # once per prefix and settings, copied; rows P.. (predicted from the prefix's last state on)
@@ -173,17 +179,18 @@ class PromptBatches:
             cols = runner.columns.new(g.num_prompt_tokens, g.params)
             filled = next((c for h, p, c in done if h is prefix_hidden and p == g.params), None)
             if filled is None:
-                runner.columns.fill(cols, prefix_hidden[:length - 1], full, 0)
+                yield from runner.columns.fill_steps(cols, prefix_hidden[:length - 1], full, 0, head_positions)
                 done.append((prefix_hidden, g.params, cols))
             else:
                 copy_rows(filled, cols, 1, length)
-            runner.columns.fill(cols, torch.cat([prefix_hidden[length - 1:], mine]), full, length - 1)
+            yield from runner.columns.fill_steps(cols, torch.cat([prefix_hidden[length - 1:], mine]), full, length - 1,
+                                                 head_positions)
             runner.record(g).columns = cols
         seeds.insert(hidden)
         for prefix, keys, values, prefix_hidden in ran:  # after the prompts' own blocks: a shared prefix
             runner.prefix_cache.insert(prefix, keys, values, prefix_hidden)  # one of them holds is not kept twice
 
-    def run_prefix(self, prefix: list[int]) -> tuple[list, list, torch.Tensor]:
+    def run_prefix(self, prefix: list[int]) -> Generator[int, None, tuple[list, list, torch.Tensor]]:
         """A shared prefix's own pass: its keys and values per layer ([KV, P, d]) and hidden states [P, D]."""
         runner, length = self.runner, len(prefix)
         keys, values = [None] * len(runner.blocks), [None] * len(runner.blocks)
@@ -193,8 +200,8 @@ class PromptBatches:
 
         masks, read = runner.attention.own_pass(length)
         meta = PassMeta(torch.arange(length, device=runner.device)[None], masks, read=read, keep=keep)
-        hidden = runner.forward(torch.tensor([prefix], dtype=torch.long).to(runner.device), meta)[0]
-        return keys, values, hidden
+        hidden = yield from runner.forward_steps(torch.tensor([prefix], dtype=torch.long).to(runner.device), meta)
+        return keys, values, hidden[0]
 
     def prepare_prefixed(self, firsts: list[int], own: list[int], prefix_of: dict) -> PassMeta:
         """The pass of each row's own tokens after its prefix of firsts[row] positions: each row's keys at

@@ -5,8 +5,8 @@ bookkeeping the engine's step loop calls."""
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Generator, Iterator
 
 import numpy as np
 import torch
@@ -15,7 +15,7 @@ from ..families import family_of
 from ..interventions import Edits, segment_editor
 from ..kv_cache import Row, SlabCache
 from ..prefix_cache import PrefixCache
-from ..prompt_columns import CaptureDone, PromptColumnWriter, logit_lens
+from ..prompt_columns import CaptureDone, PromptColumnWriter, drain, logit_lens
 from ...host.request import PromptColumns, SequenceGroup
 from ...device.sampler import BatchSettings, to_device
 from .attention import Attention, PassMeta, SlabRows
@@ -47,7 +47,7 @@ class LeanRunner:
     it calls `runner.ModelRunner`, with every running row of every request in one decode pass."""
 
     PREFILL_CHUNK = 512  # prompt tokens per engine step while other requests are decoding
-    interleaves = True  # a batch prompt-only pass stops between its blocks for interactive steps
+    interleaves = True  # a prompt-only pass yields between its blocks: the engine's steps advance it (`prompt_pass`)
     INT4_MAX_ROWS = 8  # decode steps of up to this many rows read the 4-bit weights (when loaded)
     RELEASE_PACKED = True  # see weights.release_packed; tests turn it off to compare with an engine that keeps both
 
@@ -101,54 +101,67 @@ class LeanRunner:
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self.records: dict[object, GroupRecord] = {}  # per group that holds state here
         self.prompt_batches = PromptBatches(self)
-        # Set during a batch prompt-only pass (`interleaved`): called after each block and before each chunk
-        # of the head, where the engine may run a step of interactive requests (core.py). Such a step
-        # runs passes of its own; the paused pass keeps its activations and needs no shared state.
-        self.between_blocks = None
 
     # ---- one pass of the blocks ------------------------------------------------------------
     def forward(self, ids: torch.Tensor, meta: PassMeta, capture=None, edit=None) -> torch.Tensor:
         """Embed ids [B, T] at meta.positions [B, T], run every block (attention as `meta` describes it),
-        and return the final-norm hidden states [B, T, D]. Queries and keys are (normalized, where the
-        family does, and) rotated together, in the projection's own layout, before the heads are
-        transposed. `capture(layer, x)`, when given, sees the residual stream entering block 0 (layer 0)
-        and leaving each block (layer i + 1); `edit(layer, x, positions)`, when given, returns the stream
-        at those points as a request's interventions change it (interventions.py), before `capture`
-        sees it and the next block reads it."""
-        positions = meta.positions
+        and return the final-norm hidden states [B, T, D]. `capture(layer, x)`, when given, sees the
+        residual stream entering block 0 (layer 0) and leaving each block (layer i + 1); `edit(layer, x,
+        positions)`, when given, returns the stream at those points as a request's interventions change
+        it (interventions.py), before `capture` sees it and the next block reads it. (A plain loop, as
+        the fixed-shape steps compile it: `forward_steps` is the same pass with pause points.)"""
+        x, ropes = self._embed(ids, meta, capture, edit)
+        for layer, block in enumerate(self.blocks):
+            x = self._block(layer, block, x, ids.shape, ropes, meta, capture, edit)
+        return self.final_norm(x).view(*ids.shape, -1)
+
+    def forward_steps(self, ids: torch.Tensor, meta: PassMeta, capture=None, edit=None
+                      ) -> Generator[int, None, torch.Tensor]:
+        """`forward` as steps: yields after each block the positions it ran (B * T), and returns the
+        final-norm hidden states. A prompt-only pass is advanced by the engine's steps that way
+        (`prompt_pass`)."""
+        x, ropes = self._embed(ids, meta, capture, edit)
+        for layer, block in enumerate(self.blocks):
+            x = self._block(layer, block, x, ids.shape, ropes, meta, capture, edit)
+            yield ids.numel()
+        return self.final_norm(x).view(*ids.shape, -1)
+
+    def _embed(self, ids: torch.Tensor, meta: PassMeta, capture, edit) -> tuple[torch.Tensor, dict]:
+        """The residual stream entering block 0, [B * T, D] (the products' own layout), and the RoPE tables."""
         x = self.family.embed(ids)
         if edit is not None:
-            x = edit(0, x, positions)
+            x = edit(0, x, meta.positions)
         if capture is not None:
             capture(0, x)
-        ropes = self._rope(x, positions)
-        b, t = ids.shape
-        x = x.reshape(b * t, -1)  # the blocks' activations are [B * T, D]: the products' own layout
+        return x.reshape(ids.numel(), -1), self._rope(x, meta.positions)
+
+    def _block(self, layer: int, block, x: torch.Tensor, shape: torch.Size, ropes: dict, meta: PassMeta, capture,
+               edit) -> torch.Tensor:
+        """One block over the stream x [B * T, D]. Queries and keys are (normalized, where the family
+        does, and) rotated together, in the projection's own layout, before the heads are transposed."""
+        b, t = shape
         heads, kv_heads, d = self.num_heads, self.kv_heads, self.head_dim
         q_size, qk_size = heads * d, (heads + kv_heads) * d
-        half, few, attend = d // 2, meta.few_rows, self.attention
-        for layer, block in enumerate(self.blocks):
-            qkv = block.qkv(block.input_norm(x), few)
-            qk = qkv[:, :qk_size].view(b, t, heads + kv_heads, d)
-            if block.qk_norm is not None:
-                qk = block.qk_norm(qk)
-            cos, sin = ropes[block.rope]
-            qk = qk * cos + qk.roll(half, dims=-1) * sin
-            q = qk[:, :, :heads].transpose(1, 2)  # [B, H, T, d]
-            k = qk[:, :, heads:].transpose(1, 2)  # [B, KV, T, d]
-            v = qkv[:, qk_size:].view(b, t, kv_heads, d).transpose(1, 2)
-            out = block.o_proj(attend(layer, q, k, v, meta).transpose(1, 2).reshape(b * t, q_size), few)
-            x = x + (out if block.post_attn_norm is None else block.post_attn_norm(out))
-            gate, up = block.gate_up(block.pre_ff_norm(x), few).chunk(2, dim=-1)
-            out = block.down_proj(block.act(gate) * up, few)
-            x = x + (out if block.post_ff_norm is None else block.post_ff_norm(out))
-            if edit is not None:
-                x = edit(layer + 1, x.view(b, t, -1), positions).reshape(b * t, -1)
-            if capture is not None:
-                capture(layer + 1, x.view(b, t, -1))
-            if self.between_blocks is not None:
-                self.between_blocks(b * t)
-        return self.final_norm(x).view(b, t, -1)
+        few = meta.few_rows
+        qkv = block.qkv(block.input_norm(x), few)
+        qk = qkv[:, :qk_size].view(b, t, heads + kv_heads, d)
+        if block.qk_norm is not None:
+            qk = block.qk_norm(qk)
+        cos, sin = ropes[block.rope]
+        qk = qk * cos + qk.roll(d // 2, dims=-1) * sin
+        q = qk[:, :, :heads].transpose(1, 2)  # [B, H, T, d]
+        k = qk[:, :, heads:].transpose(1, 2)  # [B, KV, T, d]
+        v = qkv[:, qk_size:].view(b, t, kv_heads, d).transpose(1, 2)
+        out = block.o_proj(self.attention(layer, q, k, v, meta).transpose(1, 2).reshape(b * t, q_size), few)
+        x = x + (out if block.post_attn_norm is None else block.post_attn_norm(out))
+        gate, up = block.gate_up(block.pre_ff_norm(x), few).chunk(2, dim=-1)
+        out = block.down_proj(block.act(gate) * up, few)
+        x = x + (out if block.post_ff_norm is None else block.post_ff_norm(out))
+        if edit is not None:
+            x = edit(layer + 1, x.view(b, t, -1), meta.positions).reshape(b * t, -1)
+        if capture is not None:
+            capture(layer + 1, x.view(b, t, -1))
+        return x
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> dict:
         """For each RoPE table of the family: cos and sin [B, T, 1, d] for `positions` [B, T], the
@@ -163,8 +176,6 @@ class LeanRunner:
 
     def logprobs_of(self, hidden: torch.Tensor) -> torch.Tensor:
         """Raw next-token log probabilities, float32, for final-norm hidden states [..., D]."""
-        if self.between_blocks is not None:
-            self.between_blocks(0)
         logits = self.head(hidden).float()
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
@@ -176,35 +187,11 @@ class LeanRunner:
     def head_dtype(self) -> torch.dtype:
         return self.dtype
 
-    INTERLEAVED_HEAD_POSITIONS = 64  # positions a head run takes in a batch pass: a run is as short as a block
+    PASS_HEAD_POSITIONS = 64  # positions a head run of a prompt-only pass takes: a run is as short as a block
 
     @property
     def prefill_chunk_tokens(self) -> int:
         return self.PREFILL_CHUNK
-
-    @contextmanager
-    def interleaving_paused(self):
-        """An interactive step run between the blocks of a batch pass: its own passes run straight through."""
-        step, self.between_blocks = self.between_blocks, None
-        try:
-            yield
-        finally:
-            self.between_blocks = step
-
-    @contextmanager
-    def interleaved(self, step):
-        """Within the block, the passes call `step(tokens)` after each block (`tokens`: its padded positions)
-        and `step(0)` before each head run, and the
-        head runs over fewer positions at a time (~30 ms in float32 on two cores, against ~130 ms at
-        256), so that a step waits for little batch work however long the pass."""
-        chunk = self.columns.chunk_positions
-        self.between_blocks = step
-        self.columns.chunk_positions = min(chunk, self.INTERLEAVED_HEAD_POSITIONS)
-        try:
-            yield
-        finally:
-            self.between_blocks = None
-            self.columns.chunk_positions = chunk
 
     # ---- activations ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -240,9 +227,16 @@ class LeanRunner:
     # ---- prompts -------------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill_batch(self, groups: list[SequenceGroup]) -> None:
+        """`prompt_pass` run through."""
+        drain(self.prompt_pass(groups))
+
+    def prompt_pass(self, groups: list[SequenceGroup]) -> Iterator[int]:
         """Prompt-only groups (scoring, echo with max_tokens 0) in one pass, prefixes shared where they
-        can be (prompt_batch.py); no KV cache is kept for decoding."""
-        self.prompt_batches.run(groups)
+        can be (prompt_batch.py), no KV cache kept for decoding, as steps: it yields after each block
+        (the positions the block ran) and before each run of the head (0, over PASS_HEAD_POSITIONS
+        positions at most), where the engine may end its step and go on in a later one (core.py). The
+        pass keeps its activations meanwhile and touches no shared state the steps between change."""
+        return self.prompt_batches.steps(groups, self.PASS_HEAD_POSITIONS)
 
     def prefill_chunk(self, group: SequenceGroup, budget: int) -> torch.Tensor | None:
         """`prefill_chunks` for one group."""
@@ -486,7 +480,9 @@ class LeanRunner:
         engine has failed every group that held a row); the prefix cache is emptied too."""
         self.fixed_shape.graphs.clear()
         self.prefix_cache.clear()  # nothing kept from a step that failed
-        self.records.clear()
+        # the engine failed (and released) every group of the step and every one holding KV rows; a
+        # prompt-only pass the step did not advance (paused for it) keeps its record (its hit, its columns)
+        self.records = {g: r for g, r in self.records.items() if not (r.rows or r.prefill or r.tree)}
         self.cache = SlabCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device,
                                max_len=self.cache.max_len, capacity=self.kv_positions)
 
