@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
-from .chat.serving import rendered_ids
+from .checks.messages import rendered_ids
 from .checks.vocabulary import check_token_ids
 from .registry import ROUTES, Route
 from .serving.pipeline import serve

@@ -1,7 +1,7 @@
 """The body of /v1/chat/completions: OpenAI's fields in OpenAI's order, then logprobe's and vLLM's
-extensions in a marked block; the conversation's messages and their checks, which /v1/score, /v1/tree
-and /tokenize share. The model is both the route's checks (with the contract's messages) and its OpenAPI
-body schema."""
+extensions in a marked block (the conversation's messages are checks/messages.py's, which /v1/score,
+/v1/tree and /tokenize share). The model is both the route's checks (with the contract's messages) and
+its OpenAPI body schema."""
 
 from __future__ import annotations
 
@@ -40,55 +40,10 @@ from ..checks.sampling import (
     User,
     VocabEncoding,
 )
-from ..checks.schema import Neutral, RequestModel, Unbounded, check, parses
-from ..completions.protocol import TopLogprobs
+from ..checks.messages import Message, message_list
+from ..checks.prompts import TopLogprobs
+from ..checks.schema import Neutral, Unbounded, check, parses
 from ..errors import InvalidRequest
-
-ROLES = ("system", "user", "assistant")
-
-
-class TextPart(RequestModel):
-    type: Literal["text"]
-    text: str
-
-
-class Message(RequestModel):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
-
-
-def message_list(value, name: str = "messages", param: str = "messages") -> list[dict]:
-    """A conversation's messages as {"role", "content"}, text parts joined; refusals name `name` (the
-    field, or `conversations[2]`) and carry `param`."""
-    if value is None:
-        raise InvalidRequest(f"Missing required parameter: '{name}'.", param)
-    if not isinstance(value, list) or not value:
-        raise InvalidRequest(f"Invalid value for '{name}': expected a non-empty array of messages.", param)
-    out = []
-    for i, msg in enumerate(value):
-        where = f"{name}[{i}]"
-        if not isinstance(msg, dict):
-            raise InvalidRequest(f"Invalid type for '{where}': expected an object.", param)
-        role, content = msg.get("role"), msg.get("content")
-        if role not in ROLES:
-            raise InvalidRequest(f"Invalid value for '{where}.role': expected one of {', '.join(ROLES)}.",
-                                 param)
-        extra = set(msg) - set(Message.model_fields)
-        if extra:
-            raise InvalidRequest(f"Unrecognized request argument supplied: {where}.{sorted(extra)[0]}",
-                                 param)
-        if isinstance(content, list):  # OpenAI content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise InvalidRequest(f"Invalid value for '{where}.content': only text parts are supported.",
-                                     param)
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise InvalidRequest(f"Invalid type for '{where}.content': expected a string.", param)
-        out.append({"role": role, "content": content})
-    return out
-
 
 class ChatBody(SamplingFields, ConstraintFields):
     """POST /v1/chat/completions."""

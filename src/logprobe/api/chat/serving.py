@@ -21,6 +21,7 @@ from ...output.instruments import chat_tops_with_token
 from ...output.logprobs import TokenNamer, chat_logprobs_content, wire_floats
 from ..checks.caps import check_request_caps, check_text_length
 from ..checks.interventions import checked_interventions
+from ..checks.messages import rendered_ids
 from ..checks.sampling import ResidualRequest
 from ..checks.steering import check_steering, with_bad_words
 from ..errors import InvalidRequest
@@ -73,18 +74,6 @@ def tokenize(backend, req: ChatRequest) -> list[int]:
     return rendered_ids(backend, req.messages, param=req.prompt_param)[1]
 
 
-def rendered_ids(backend, messages: list[dict], add_generation_prompt: bool = True, add_special_tokens: bool = False,
-                 param: str = "messages") -> tuple[str, list[int]]:
-    """(the chat template's rendering, its token ids): the template writes the special tokens, so the
-    tokenizer adds none of its own unless asked (/tokenize's `add_special_tokens`)."""
-    if not backend.info.has_chat_template:
-        raise InvalidRequest("This model has no chat template, so a conversation cannot become a prompt. "
-                             "Use /v1/completions with your own prompt, or start the server with "
-                             "--chat-template FILE (a Jinja template).", param)
-    text = render(backend, messages, add_generation_prompt=add_generation_prompt, param=param)
-    return text, backend.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
-
-
 def engine_params(backend, req: ChatRequest, ids: list[int]) -> SamplingParams:
     """What the engine runs with, from the parsed request, the model and the prompt (a new record each
     call): without a max_tokens, the rest of the context; the bad words' token ids, the model's stop
@@ -92,17 +81,6 @@ def engine_params(backend, req: ChatRequest, ids: list[int]) -> SamplingParams:
     max_tokens = req.params.max_tokens if req.max_tokens is not None else max(0, backend.info.context_length - len(ids))
     return replace(with_bad_words(backend, req.params, req.bad_words), max_tokens=max_tokens,
                    stop_token_ids=backend.info.stop_token_ids, residual_layers=residual_layers(backend, req.residual))
-
-
-def render(backend, messages: list[dict], add_generation_prompt: bool = True, param: str = "messages") -> str:
-    """The conversation as the model's chat template writes it (the prompt chat runs, and /v1/score's
-    conversations: score/conversation.py); a template that fails is the 400 of `param`."""
-    try:
-        return backend.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                     add_generation_prompt=add_generation_prompt)
-    except Exception as exc:  # a template that raises on these messages (e.g. a role it forbids)
-        raise InvalidRequest(f"The model's chat template could not render these messages: "
-                             f"{str(exc)[:200]}", param) from None
 
 
 def check_caps(backend, req: ChatRequest, ids: list[int], limits: Limits) -> None:

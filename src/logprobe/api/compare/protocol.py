@@ -8,9 +8,9 @@ from pydantic import ConfigDict, Field
 
 from ...config import Limits
 from ..checks import validation as v
+from ..checks.prompts import all_ints
 from ..checks.sampling import TokensAsIds, User
 from ..checks.schema import RequestModel, check, parses
-from ..completions.protocol import all_ints
 from ..errors import InvalidRequest
 
 

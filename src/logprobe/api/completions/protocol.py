@@ -1,15 +1,14 @@
 """The body of /v1/completions: OpenAI's fields in OpenAI's order, then logprobe's and vLLM's extensions
-in a marked block; the prompt's forms, which the other routes share. The model is both the route's checks
-(with the contract's messages) and its OpenAPI body schema."""
+in a marked block (the prompt's forms are checks/prompts.py's, which the other routes share). The model
+is both the route's checks (with the contract's messages) and its OpenAPI body schema."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field
 
 from ...config import Limits
-from ..checks import validation as v
 from ..checks.constraints import ConstraintFields, ResponseFormatField, StructuredOutputsField
 from ..checks.sampling import (
     AllowedTokenIds,
@@ -40,37 +39,10 @@ from ..checks.sampling import (
     User,
     VocabEncoding,
 )
+from ..checks.prompts import Prompt, prompt_list
 from ..checks.schema import DEFAULT_LIMITS as _L
 from ..checks.schema import Cap, Neutral, Unbounded, check, parses
 from ..errors import InvalidRequest
-
-Prompt = Union[str, list[str], list[int], list[list[int]]]
-PROMPT_TYPE = "a string, an array of strings, an array of integers or an array of arrays of integers"
-TopLogprobs = Annotated[int | None, Field(None, ge=0, le=_L.max_logprobs), Cap("max_logprobs")]
-
-
-def all_ints(values) -> bool:
-    return all(isinstance(x, int) and not isinstance(x, bool) for x in values)
-
-
-def prompt_list(value, name: str = "prompt") -> list:
-    """A prompt field as a list of strings or a list of token-id lists."""
-    if value is None:
-        raise InvalidRequest(f"Missing required parameter: '{name}'.", name)
-    if isinstance(value, str):
-        return [value]
-    if not isinstance(value, list) or not value:
-        if isinstance(value, list):
-            raise v.value_error(name, f"a non-empty {name}")
-        raise v.type_error(name, PROMPT_TYPE, nullable=False)
-    if all(isinstance(x, str) for x in value):
-        return value
-    if all_ints(value):
-        return [value]
-    if all(isinstance(x, list) and x and all_ints(x) for x in value):
-        return value
-    raise v.type_error(name, PROMPT_TYPE, nullable=False)
-
 
 class CompletionBody(SamplingFields, ConstraintFields):
     """POST /v1/completions."""

@@ -17,8 +17,8 @@ them (engine/runners/lean/prompt_batch.py: a shared prefix, or the prefix cache)
 from __future__ import annotations
 
 from ...tokens import TextAssembler
-from ..chat.serving import render
 from ..checks.caps import check_text_length
+from ..checks.messages import render
 from ..errors import InvalidRequest
 from .items import ScoreItem
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from ...config import Limits
 from ..checks import validation as v
-from ..completions.protocol import all_ints
+from ..checks.prompts import all_ints
 from ..errors import InvalidRequest
 
 

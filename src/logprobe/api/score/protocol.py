@@ -5,12 +5,12 @@ from __future__ import annotations
 from pydantic import ConfigDict, Field
 
 from ...config import Limits
-from ..chat.protocol import ChatBody, Message, message_list
 from ..checks import validation as v
 from ..checks.constraints import ConstraintFields, ResponseFormatField, StructuredOutputsField
+from ..checks.messages import Message, message_list
+from ..checks.prompts import Prompt, TopLogprobs, prompt_list
 from ..checks.sampling import ResidualStream, SamplingFields, TokensAsIds, User
 from ..checks.schema import check, parses
-from ..completions.protocol import Prompt, TopLogprobs, prompt_list
 from ..errors import InvalidRequest
 from . import fields as score_fields
 
@@ -68,7 +68,7 @@ class ScoreBody(ConstraintFields):
 
     @parses("messages")
     def parse_messages(value, limits: Limits) -> list[dict] | None:
-        return None if value is None else ChatBody.parsers()["messages"](value, limits)
+        return None if value is None else message_list(value)
 
     @parses("conversations")
     def parse_conversations(value, limits: Limits) -> list[list[dict]] | None:

@@ -5,10 +5,10 @@ from __future__ import annotations
 from pydantic import ConfigDict, Field
 
 from ...config import Limits
-from ..chat.protocol import ChatBody, Message
 from ..checks import validation as v
+from ..checks.messages import Message, message_list
+from ..checks.prompts import all_ints
 from ..checks.schema import RequestModel, check, parses
-from ..completions.protocol import all_ints
 from ..errors import InvalidRequest
 
 
@@ -31,7 +31,7 @@ class TokenizeBody(RequestModel):
 
     @parses("messages")
     def parse_messages(value, limits: Limits) -> list[dict] | None:
-        return None if value is None else ChatBody.parse_messages(value, limits)
+        return None if value is None else message_list(value)
 
     @check
     def check_one_input(self, limits: Limits) -> None:

@@ -8,9 +8,10 @@ from pydantic import ConfigDict, Field
 
 from ...backend import TreeShape
 from ...config import Limits
-from ..chat.protocol import ChatBody, Message
 from ..checks import validation as v
 from ..checks.constraints import ConstraintFields, ResponseFormatField, StructuredOutputsField
+from ..checks.messages import Message, message_list
+from ..checks.prompts import all_ints
 from ..checks.sampling import (
     AllowedTokenIds,
     BadWords,
@@ -24,7 +25,6 @@ from ..checks.sampling import (
 )
 from ..checks.schema import DEFAULT_LIMITS as _L
 from ..checks.schema import Cap, check, parses
-from ..completions.protocol import all_ints
 from ..errors import InvalidRequest
 
 
@@ -78,7 +78,7 @@ class TreeBody(ConstraintFields):
 
     @parses("messages")
     def parse_messages(value, limits: Limits) -> list[dict] | None:
-        return None if value is None else ChatBody.parse_messages(value, limits)
+        return None if value is None else message_list(value)
 
     @check
     def check_one_prompt(self, limits: Limits) -> None:

@@ -20,8 +20,8 @@ from ...backend import GenerationOutput, GenerationRequest, SamplingParams
 from ...config import Limits
 from ...output.logprobs import TokenNamer, wire_floats
 from ...tokens import TextAssembler
-from ..chat.serving import render
 from ..checks.caps import check_request_caps, check_text_length
+from ..checks.messages import render
 from ..checks.steering import check_steering, with_bad_words
 from ..checks.vocabulary import check_token_ids
 from ..errors import InvalidRequest
