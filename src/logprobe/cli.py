@@ -38,6 +38,7 @@ def serve(settings: Settings) -> int:
     """Start HTTP at once (/health says `loading`), load the model, serve; on SIGTERM or SIGINT drain:
     refuse new requests (503), finish those admitted (up to --drain-timeout), exit 0. A second signal
     exits at once."""
+    # the server (FastAPI, uvicorn) and the loader load when a server starts, not for every command
     import uvicorn
 
     from .server import attach_backends, create_app
@@ -111,7 +112,7 @@ def serve(settings: Settings) -> int:
 def load_engines(settings: Settings) -> list:
     """One engine per --model, in order; names and aliases must not collide (ValueError, before
     anything is loaded)."""
-    from .engine.engine import Engine
+    from .engine.engine import Engine  # torch loads with the models, not with the CLI
 
     return [Engine.from_settings(settings, source, aliases) for source, aliases in resolve_models(settings)]
 
@@ -121,11 +122,11 @@ def serve_replicas(settings: Settings) -> int:
         print("logprobe: --replicas serves one model; run one application per model (several --model "
               "work in one process)", file=sys.stderr)
         return 2
-    from .cluster import local_ray_environment
+    from .cluster import local_ray_environment  # Ray, an optional extra, loads for --replicas only
 
     local_ray_environment(joining=bool(settings.ray_address))
     try:
-        from .cluster import launch, ray_app
+        from .cluster import launch, ray_app  # Ray Serve, an optional extra
     except ImportError as exc:
         print(f"logprobe: --replicas runs on Ray Serve, which is not installed ({exc.name}): {install_hint('ray')}",
               file=sys.stderr)
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             return serve_replicas(settings)
         return serve(settings)
     if args.command == "score":
-        from . import score_cli
+        from . import score_cli  # `logprobe serve` does not load the scoring CLI
 
         configure_logging("warning")
         return score_cli.main(args)

@@ -390,7 +390,7 @@ def log_api_keys(settings: Settings) -> None:
 def resolve_models(settings: Settings) -> list:
     """(loader.ModelSource, every alias) of each model to serve, in order, resolved but not loaded.
     ValueError when two models would answer to one name."""
-    from .engine.runners import loader
+    from .engine.runners import loader  # the engine's package loads with models to serve, not with the settings
 
     found, taken = [], {}
     for spec in settings.model_specs():

@@ -19,6 +19,7 @@ from .config import install_hint
 
 
 def score_in_process(args) -> dict:
+    # torch and the model load for in-process scoring only (`--url` needs neither)
     from .config import Settings
     from .engine.engine import Engine
     from .engine.runners import loader
@@ -37,6 +38,7 @@ def score_in_process(args) -> dict:
 def answer_in_process(engine, body: dict) -> dict:
     """The /v1/score answer for `body` from a started engine of this process, through the API's pipeline
     (no hold: the CLI is the engine's only caller); a refusal exits with its message."""
+    # the API's modules load for in-process scoring only
     from .api.errors import APIError
     from .api.serving.holding import Call
     from .api.serving.pipeline import Pipeline
@@ -51,7 +53,7 @@ def answer_in_process(engine, body: dict) -> dict:
 
 
 def score_remote(args) -> dict:
-    from .client.http import ScoreClient, ServerError, run_sync
+    from .client.http import ScoreClient, ServerError, run_sync  # the HTTP client loads with --url only
 
     async def ask():
         async with ScoreClient(args.url[0], args.api_key, args.model, timeout=600.0) as client:
@@ -120,6 +122,7 @@ def plot(item: dict, path: str) -> None:
 
 def score_dataset(args) -> int:
     """`logprobe score --input FILE`: every row of a dataset, into --output (datasets/job.py)."""
+    # the datasets' modules (pyarrow: the data extra) load with --input only
     from .datasets import job
     from .datasets.columns import ScoreOptions
     from .datasets.io import DatasetError, require_data_extra
@@ -151,14 +154,14 @@ def score_dataset(args) -> int:
             except ImportError as exc:
                 raise DatasetError(f"--ray scores on Ray Data, which is not installed ({exc.name}): "
                                    f"{install_hint('ray')}") from None
-            from .datasets import ray_job
+            from .datasets import ray_job  # Ray Data, an optional extra: with --ray only
 
             count = ray_job.run_from_args(args, output, options, read_opts, progress)
         else:
             count = job.run(args.input, output, lambda: _dataset_scorer(args, options), options, read_opts,
                             resume=args.resume, progress=progress, max_rows=max(1, args.chunk_rows))
         if args.plot or args.report:
-            from .datasets import report
+            from .datasets import report  # the report's tables and charts load for --plot or --report only
 
             report.summarize_job(output, options, args.input, read_opts, args.plot, args.report, quiet=args.quiet)
     except DatasetError as exc:
@@ -174,7 +177,7 @@ def score_dataset(args) -> int:
 
 
 def _dataset_scorer(args, options):
-    from .datasets.scorer import InProcessScorer, RemoteScorer
+    from .datasets.scorer import InProcessScorer, RemoteScorer  # the API's modules: with a dataset job only
 
     if args.url:
         return RemoteScorer(args.url, api_key=args.api_key, model=args.model, concurrency=args.concurrency,

@@ -25,6 +25,8 @@ from ..api.errors import APIError, InternalError, error_body, new_request_id
 from ..api.registry import BATCH_PATHS, BY_PATH
 from ..api.serving.holding import Call
 from ..backend import BATCH
+from .metrics import BatchMetrics
+from .routes import router
 from .store import ACTIVE, Line, Result, Store, new_id
 
 log = logging.getLogger("logprobe.batch")
@@ -258,9 +260,6 @@ class BatchRunner:
 def install(app, settings, clock=time.time) -> None:
     """The Batch API on an app (api/app.py): the store under `settings.data_dir`, the routes, the
     metrics; the app's lifespan starts and stops the runner."""
-    from .metrics import BatchMetrics
-    from .routes import router
-
     store = Store(settings.data_dir, clock, settings.file_retention_days * 86400)
     app.state.batch_store = store
     app.state.batch_settings = settings

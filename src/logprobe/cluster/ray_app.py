@@ -31,8 +31,9 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 from ray import serve
 
+from ..api.errors import APIError, InvalidRequest
 from ..backend import GenerationRequest, RequestConflict
-from ..config import LOG_FORMAT, Settings, build_parser, settings_from_args
+from ..config import LOG_FORMAT, Settings, build_parser, resolve_models, settings_from_args
 from .ray_backend import REPORT_EVERY_S, RayBackend, Refusal
 from .state import ClusterState, SharedAdmission
 
@@ -105,11 +106,12 @@ def log_like_one_process(level: str) -> None:
 
 class ModelReplica:
     def __init__(self, settings: Settings):
+        # in the replica's process: torch, the engine and the model load there, not in the process
+        # that builds the application
         import torch
 
         from ..api.serving.admission import Admission
         from ..api.shell.metrics import EngineMetrics
-        from ..config import resolve_models
         from ..engine.engine import Engine
 
         log_like_one_process(settings.log_level)
@@ -156,8 +158,6 @@ class ModelReplica:
         return self._stats()
 
     async def _hold(self, requests):
-        from ..api.errors import APIError
-
         try:
             return await self.admission.acquire("replica", sum(r.held_tokens for r in requests),
                                                 priority=requests[0].priority), None
@@ -184,8 +184,6 @@ class ModelReplica:
 
 def conflict_refusal(exc: RequestConflict) -> Refusal:
     """A request whose own fields leave nothing to generate, as the 400 the ingress answers."""
-    from ..api.errors import InvalidRequest
-
     return Refusal(InvalidRequest(exc.message, exc.param))
 
 
@@ -204,7 +202,7 @@ class Ingress:
         await self.backend.refresh()
 
     def __serve_build_asgi_app__(self):
-        from ..server import attach_backend, create_app
+        from ..server import attach_backend, create_app  # in the ingress's process, which serves HTTP
 
         s = self.settings
         admission = SharedAdmission(self.state, s.limits.max_tokens_in_flight, s.admission.tokens_per_minute,

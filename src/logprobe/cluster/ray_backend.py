@@ -18,6 +18,7 @@ from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from ..api.errors import APIError
 from ..backend import BackendUnavailable, GenerationRequest
 from .state import STALE_S
 
@@ -35,8 +36,6 @@ class Refusal:
         self.type, self.code, self.headers = exc.type, exc.code, dict(exc.headers or {})
 
     def error(self):
-        from ..api.errors import APIError
-
         return APIError(self.message, self.param, status=self.status, code=self.code, type=self.type,
                         headers=self.headers)
 

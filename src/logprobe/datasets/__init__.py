@@ -9,6 +9,6 @@ from __future__ import annotations
 
 def score(*args, **kwargs):
     """See `logprobe.datasets.api.score`."""
-    from .api import score as _score
+    from .api import score as _score  # pyarrow (the data extra) loads with the first call
 
     return _score(*args, **kwargs)

@@ -22,6 +22,7 @@ def score(data, column: str | None = None, context=None, ids=None, model: str | 
     require_data_extra()
     rows = _rows_of(data, column, context, ids)
     options = ScoreOptions(top=top, tokens=tokens, stats=stats, add_bos=add_bos, skip_invalid=skip_invalid)
+    # the scorers, and tqdm for the progress bar, load with a call (the module needs the data extra only)
     from . import progress as progress_mod
     from .scorer import InProcessScorer, RemoteScorer
 

@@ -31,7 +31,7 @@ class ScoreWorker:
     """One actor of the pool: loads the model once, then scores the blocks Ray Data hands it."""
 
     def __init__(self, model: str | None, dtype: str, device: str, options: ScoreOptions):
-        from .scorer import InProcessScorer
+        from .scorer import InProcessScorer  # in the worker's process: the model and torch load there
 
         self.scorer = InProcessScorer.from_model(model=model, dtype=dtype, device=device, options=options)
 
@@ -46,7 +46,7 @@ class ScoreWorker:
 def start_ray(address: str | None, workers: int) -> None:
     """Join the cluster at `address`, or start a local one on loopback with at least a CPU a worker.
     A Ray already initialized in this process (a notebook, a test) is used as it is."""
-    from ..cluster import local_ray_environment
+    from ..cluster import local_ray_environment  # Ray Serve's package, with a cluster only
 
     local_ray_environment(joining=bool(address))
     import ray

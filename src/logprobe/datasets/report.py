@@ -13,6 +13,9 @@ import math
 
 import pyarrow as pa
 
+from .columns import schema
+from .io import DatasetError, format_of, read_rows
+
 SNIPPET_CHARS = 60  # a row's text in the report, cut to this many characters
 
 
@@ -136,9 +139,6 @@ def read_output(path: str, options) -> pa.Table:
     JSON lines by the schema, CSV with its list cells' JSON text decoded."""
     import json
 
-    from .columns import schema
-    from .io import format_of
-
     out_schema = schema(options)
     kind = format_of(path)
     if kind == "parquet":
@@ -168,8 +168,6 @@ def summarize_job(output_path: str, options, input_path: str, read_opts, plot_pa
     then the report on stdout (rows shown with their text, read again from the input). DatasetError
     when there is nothing to plot."""
     import sys
-
-    from .io import DatasetError, read_rows
 
     table = read_output(output_path, options)
     if plot_path:

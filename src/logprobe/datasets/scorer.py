@@ -50,7 +50,7 @@ class InProcessScorer:
         """Load `model` (a name `logprobe serve --model` takes; None: the bundled model) and start its
         engine. `close()` stops it."""
         from ..engine.engine import Engine  # torch: loaded when a model is, not when this module is
-        from ..engine.runners import loader
+        from ..engine.runners import loader  # (as the line above)
 
         source = loader.resolve_source(model)
         # no interactive request shares this engine: its passes may hold PASS_ROWS rows

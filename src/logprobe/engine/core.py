@@ -225,7 +225,7 @@ class EngineCore:
     def new_grammar_state(self, constraint):
         """A new sequence's grammar state (engine/host/grammar.py), made when its group starts decoding or a
         tree is steered; looked up on the engine at each call, so a test may replace it."""
-        from .host.grammar import new_state
+        from .host.grammar import new_state  # llguidance loads with the first constrained request
 
         return new_state(constraint, self)
 

@@ -104,7 +104,7 @@ class Engine(EngineCore):
         """The engine of one served model, as `logprobe serve` and a Ray replica build it: `source`
         (loader.resolve_source) loaded with the settings' dtype, device and quantization, the
         --chat-template if any, and the settings' context and cache sizes (config.Settings)."""
-        from .runners import loader
+        from .runners import loader  # the loading code (GGUF, transformers' models) loads with a model
 
         model, tokenizer = loader.load(source, dtype=settings.dtype, device=settings.device,
                                        quantization=settings.quantization)

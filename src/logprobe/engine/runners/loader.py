@@ -345,7 +345,7 @@ def _check_offline_cache(repo_id: str) -> None:
 
 
 def _int4_grids(model, device: str) -> dict:
-    from . import int4, lean
+    from . import int4, lean  # torch loads with a model: resolving a source (config, the CLI) needs none
 
     if not device.startswith("cpu"):
         raise ModelLoadError("--quantization int4 runs on the CPU only (PyTorch's CPU int4 kernel)")
