@@ -30,23 +30,27 @@ def score_in_process(args) -> dict:
                                   source.aliases)
     engine.start()
     try:
-        return answer_in_process(engine, {**request_body(args), "model": engine.info.name})
+        return answer_in_process(engine, args)
     finally:
         engine.stop()
 
 
-def answer_in_process(engine, body: dict) -> dict:
-    """The /v1/score answer for `body` from a started engine of this process, through the API's pipeline
-    (no hold: the CLI is the engine's only caller); a refusal exits with its message."""
+def answer_in_process(engine, args) -> dict:
+    """The /v1/score answer (its JSON as objects) to the command's text from a started engine of this
+    process: a typed request through the API's pipeline (no hold: the CLI is the engine's only caller); a
+    refusal exits with its message."""
     # the API's modules load for in-process scoring only
-    from .api.errors import APIError
+    from .api.errors import APIError, new_request_id
+    from .api.registry import SCORE
+    from .api.score import serving as scoring
     from .api.serving.holding import Call
     from .api.serving.pipeline import Pipeline
-    from .api.registry import SCORE
     from .config import Limits
 
     try:
-        answer = asyncio.run(Pipeline(Limits(), backends=[engine]).answer_whole(SCORE, body, Call("cli")))
+        req = scoring.request(engine.info.name, input=args.text, context=args.context or None,
+                              add_bos=not args.no_bos, top_logprobs=args.top or None)
+        answer = asyncio.run(Pipeline(Limits(), backends=[engine]).answer_whole(SCORE, req, Call(new_request_id())))
         return answer.payload  # /v1/score's answer has no parts to splice in
     except APIError as exc:
         raise SystemExit(f"logprobe score: {exc.message}") from None

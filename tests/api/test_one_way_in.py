@@ -4,6 +4,7 @@ and the one vocabulary check names the vocabulary's size (vLLM's message)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 
 import orjson
@@ -13,6 +14,7 @@ from fastapi.testclient import TestClient
 from logprobe.api.serving import pipeline
 from logprobe.api.app import create_app
 from logprobe.api.errors import InvalidRequest
+from logprobe.api.score import serving as scoring
 from logprobe.api.serving.holding import Call, admit
 from logprobe.backend import BATCH, INTERACTIVE, GenerationRequest, SamplingParams
 from logprobe.batch import runner as batch_runner
@@ -58,7 +60,38 @@ def test_a_check_added_to_the_pipeline_refuses_on_every_way_in(with_check, fake_
     assert refused.error == MESSAGE and fine.error is None and fine.item is not None
     # logprobe score TEXT, in process
     with pytest.raises(SystemExit, match=f"logprobe score: {MESSAGE}"):
-        score_cli.answer_in_process(fake_backend, {**body, "model": fake_backend.info.name})
+        score_cli.answer_in_process(fake_backend, argparse.Namespace(text=body["input"], context=None, no_bos=False,
+                                                                     top=0))
+
+
+@pytest.mark.parametrize("fields", [
+    {"input": "a text", "add_bos": True, "position_stats": False},
+    {"input": "a text", "context": "before it", "add_bos": False, "top_logprobs": 3, "position_stats": True,
+     "logprob_token_ids": [[5, 9]]},
+    {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}], "add_bos": True,
+     "position_stats": False},
+])
+def test_a_typed_request_is_the_parsed_body(fields):
+    """An in-process caller's typed request (a dataset's row, `logprobe score TEXT`) is what /v1/score
+    makes of the same fields sent as a body."""
+    assert scoring.request("tiny", **fields) == scoring.parse({"model": "tiny", **fields}, Limits())
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"input": "a text", "top_logprobs": 101}, "top_logprobs"),
+    ({"input": []}, "input"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages"),
+    ({"input": "a text", "logprob_token_ids": [["x"]]}, "logprob_token_ids"),
+    ({"input": "a text", "context": ["one", "two"]}, "context"),
+])
+def test_a_typed_request_is_refused_as_its_body(fields, param):
+    """A value /v1/score refuses in a body is refused in a typed request, with the same message and param."""
+    with pytest.raises(InvalidRequest) as body:
+        scoring.parse({"model": "tiny", **fields}, Limits())
+    with pytest.raises(InvalidRequest) as typed:
+        scoring.request("tiny", **fields)
+    assert body.value.param == typed.value.param == param
+    assert typed.value.message == body.value.message
 
 
 @pytest.mark.parametrize("path, field, body", [

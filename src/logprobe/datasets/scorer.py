@@ -1,7 +1,8 @@
 """Scoring rows in process: each row a /v1/score request through the API's pipeline (api/serving/pipeline.py)
-on an engine of this process, so a row passes the same checks as a request (its body, read by the same
-parser with the contract's messages) and its numbers are the API's: each row's entry is read typed
-(`ScoreEntry`, what the API writes as JSON), never out of a formatted answer.
+on an engine of this process, so a row passes the same checks as a request and its numbers are the API's.
+A row goes in typed (`row_request`: api/score/serving.py's `request`, its fields checked as a body's are,
+with the contract's messages) under a request id of its own, and its entry comes back typed (`ScoreEntry`,
+what the API writes as JSON), never out of a formatted answer.
 
 All rows of a call go to the engine at once (`Pipeline.run_together`), sorted so that rows with the same
 context sit together (the prefix cache keeps a shared context's keys and values) and lengths grow
@@ -14,6 +15,7 @@ import numpy as np
 
 from ..api.errors import APIError, new_request_id
 from ..api.registry import SCORE
+from ..api.score import serving as scoring
 from ..api.score.serving import ScoreEntry
 from ..api.score.serving import entries as score_entries
 from ..api.serving.holding import Call
@@ -78,7 +80,7 @@ class InProcessScorer:
                 continue
             try:
                 # a request id of its own: the engine's abort and progress see each row as its request
-                checked = self.pipeline.check(SCORE, row_body(row, self.model_name, self.options), new_request_id())
+                checked = self.pipeline.check(SCORE, row_request(row, self.model_name, self.options), new_request_id())
             except APIError as exc:
                 out.append(Prepared(row, error=exc.message))
                 continue
@@ -150,17 +152,11 @@ class InProcessScorer:
         return record
 
 
-def row_body(row: Row, model: str, options: ScoreOptions) -> dict:
-    """The /v1/score body of one row: its text and context, or its conversation; its asked ids."""
-    body = {"model": model, "add_bos": options.add_bos, "position_stats": options.stats}
-    if options.top:
-        body["top_logprobs"] = options.top
-    if row.messages is not None:
-        body["messages"] = row.messages
-    else:
-        body["input"] = row.text
-        if row.context:
-            body["context"] = row.context
-    if row.asked_ids is not None:
-        body["logprob_token_ids"] = [row.asked_ids]
-    return body
+def row_request(row: Row, model: str, options: ScoreOptions) -> scoring.ScoreRequest:
+    """The typed /v1/score request of one row: its text after its context, or its conversation; what
+    the options ask; its asked ids. Refused, as /v1/score refuses a body, where a field's check fails."""
+    return scoring.request(model, input=None if row.messages is not None else row.text,
+                           context=None if row.messages is not None else row.context or None,
+                           messages=row.messages, add_bos=options.add_bos, top_logprobs=options.top or None,
+                           position_stats=options.stats,
+                           logprob_token_ids=None if row.asked_ids is None else [row.asked_ids])

@@ -62,6 +62,21 @@ def parse(body: dict, limits: Limits) -> ScoreRequest:
                         req.conversations)
 
 
+def request(model: str, *, input: str | list[str] | list[int] | list[list[int]] | None = None,
+            context: str | list[str] | None = None, messages: list[dict] | None = None, add_bos: bool = True,
+            top_logprobs: int | None = None, position_stats: bool = False,
+            logprob_token_ids: list | None = None, limits: Limits | None = None) -> ScoreRequest:
+    """The typed request of a caller in this process (a dataset's row, the score CLI), one keyword argument
+    a field of the body: `input` (after `context`), or `messages` (a conversation, its last assistant turn
+    scored), and what to compute. Every argument gets the checks of its field and the body's cross-field
+    rules (ScoreBody.parse, `limits`: the caps, their defaults unless given), so a value /v1/score would
+    refuse is refused here with the same message and `param`."""
+    fields = {"model": model, "input": input, "context": context, "messages": messages, "add_bos": add_bos,
+              "top_logprobs": top_logprobs, "position_stats": position_stats,
+              "logprob_token_ids": logprob_token_ids}
+    return parse({name: value for name, value in fields.items() if value is not None}, limits or Limits())
+
+
 def tokenize(backend, req: ScoreRequest) -> list[ScoreItem]:
     chat = req.messages is not None or req.conversations is not None
     items = chat_scoring.tokenize(backend, req) if chat else _tokenize_inputs(backend, req)

@@ -123,10 +123,9 @@ class Pipeline:
         raise ModelNotFound(name, param)
 
     # ---- the checks ------------------------------------------------------------------------------
-    def parse(self, endpoint: Endpoint, body: dict):
-        """(endpoint, req, target): the body's fields checked, the endpoint that runs it (the given one, or
-        its `variant` for this request), and the model(s) it names."""
-        req = endpoint.parse(body, self.limits)
+    def route(self, endpoint: Endpoint, req):
+        """(endpoint, req, target) of a typed request (what `endpoint.parse` returns): the endpoint that runs
+        it (the given one, or its `variant` for this request) and the model(s) it names."""
         endpoint = endpoint.variant(req) or endpoint
         return endpoint, req, endpoint.resolve(req, self.resolve_model)
 
@@ -142,15 +141,17 @@ class Pipeline:
             request.priority = priority
         return Checked(endpoint, req, target, prepared, requests)
 
-    def check(self, endpoint: Endpoint, body: dict, request_id: str, priority: str = INTERACTIVE) -> Checked:
-        """Every check of a JSON body, in the caller's thread (a dataset job's rows)."""
-        endpoint, req, target = self.parse(endpoint, body)
+    def check(self, endpoint: Endpoint, req, request_id: str, priority: str = INTERACTIVE) -> Checked:
+        """Every check past the fields of a typed request (the endpoint's, as its `parse` returns it, or
+        as a caller in this process builds it: score/serving.py `request`), in the caller's thread (a
+        dataset job's rows)."""
+        endpoint, req, target = self.route(endpoint, req)
         return self.build(endpoint, req, target, endpoint.tokenize(target, req), request_id, priority)
 
-    async def prepare(self, endpoint: Endpoint, body: dict, call: Call) -> Checked:
-        """Every check of a JSON body, tokenizing off the event loop (long texts): the engine's requests
-        built with the call's id and priority."""
-        endpoint, req, target = self.parse(endpoint, body)
+    async def prepare(self, endpoint: Endpoint, req, call: Call) -> Checked:
+        """`check`, tokenizing off the event loop (long texts): the engine's requests built with the call's
+        id and priority."""
+        endpoint, req, target = self.route(endpoint, req)
         prepared = await run_in_threadpool(endpoint.tokenize, target, req)
         return self.build(endpoint, req, target, prepared, call.request_id, call.priority)
 
@@ -215,11 +216,12 @@ class Pipeline:
             raise
         return Answer(payload, parts, outputs, hold)
 
-    async def answer_whole(self, endpoint: Endpoint, body: dict, call: Call) -> Answer:
-        """The answer a POST route gives `body`, for a caller without an HTTP connection (a batch line, the
-        score CLI): the same steps as `serve`; streaming is refused (param `stream`). Its payload is the
-        answer's JSON as objects (with `parts` to splice in, for prompt log probabilities)."""
-        checked = await self.prepare(endpoint, body, call)
+    async def answer_whole(self, endpoint: Endpoint, req, call: Call) -> Answer:
+        """The answer a POST route gives a typed request (`endpoint.parse`'s, or one a caller in this
+        process builds), for a caller without an HTTP connection (a batch line, the score CLI): the same
+        steps as `serve`; streaming is refused (param `stream`). Its payload is the answer's JSON as
+        objects (with `parts` to splice in, for prompt log probabilities)."""
+        checked = await self.prepare(endpoint, req, call)
         if checked.endpoint.stream_formatters is not None and checked.req.stream:
             raise InvalidRequest("Invalid value for 'stream': a batch line is answered whole; streaming is not "
                                  "available in a batch. Remove 'stream' or set it to false.", "stream")
@@ -228,7 +230,7 @@ class Pipeline:
 
     async def answer(self, endpoint: Endpoint, body: dict, call: Call) -> bytes:
         """`answer_whole` as the JSON body's bytes (a batch line's response body)."""
-        answer = await self.answer_whole(endpoint, body, call)
+        answer = await self.answer_whole(endpoint, endpoint.parse(body, self.limits), call)
         try:
             if answer.parts:
                 return await run_in_threadpool(lambda: b"".join(iter_body(answer.payload, answer.parts)))
@@ -240,7 +242,7 @@ class Pipeline:
     async def serve(self, request: Request, endpoint: Endpoint) -> Response:
         """An HTTP POST route. Nothing is held or queued before every check has passed."""
         call = http_call(request)
-        checked = await self.prepare(endpoint, await read_json(request, self.limits), call)
+        checked = await self.prepare(endpoint, endpoint.parse(await read_json(request, self.limits), self.limits), call)
         checked = await self.decide(checked, call)
         req, endpoint = checked.req, checked.endpoint
         if endpoint.stream_formatters is not None and req.stream:
