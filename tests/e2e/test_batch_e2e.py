@@ -21,8 +21,11 @@ import pytest
 import serve_process
 
 from batch_helpers import assert_same_answer, jsonl, request_line, without_ids
+from logprobe.engine.runners.lean.attention import Attention
 
 pytestmark = pytest.mark.e2e
+# a line's answer and its body's alone: the same bits where the attention kernel allows (torch >= 2.13)
+SAME = 0.0 if Attention.invariant_kernels() else 1e-4
 
 KEY = "batch-e2e-key"
 BUDGET = 2400  # --tokens-per-minute: a bucket of this many tokens, refilled at BUDGET / 60 a second
@@ -105,7 +108,8 @@ def test_sigkill_mid_run_and_while_finalizing_then_resume(tmp_path, ref64, token
             for line in lines[:: LINES // 8]:  # a sample sent alone (each costs the key's budget too)
                 alone = client.post("/v1/score", json=line["body"])
                 assert alone.status_code == 200, alone.text
-                assert_same_answer(without_ids(by_id[line["custom_id"]]["body"]), without_ids(alone.json()), 1e-4)
+                # the same bits, though the server that answered the line was another process
+                assert_same_answer(without_ids(by_id[line["custom_id"]]["body"]), without_ids(alone.json()), SAME)
             for line in lines[1:4]:
                 check_reference(by_id[line["custom_id"]]["body"], line["body"], ref64, tokenizer)
     finally:

@@ -19,9 +19,12 @@ import orjson
 import pytest
 
 from batch_helpers import assert_same_answer, jsonl, request_line, without_ids
+from logprobe.engine.runners.lean.attention import Attention
 
 pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install 'logprobe[ray]')")
 pytestmark = pytest.mark.e2e
+# a line's answer and its body's alone: the same bits where the attention kernel allows (torch >= 2.13)
+SAME = 0.0 if Attention.invariant_kernels() else 1e-4
 
 _spec = importlib.util.spec_from_file_location("logprobe_servers", Path(__file__).parents[2] / "benchmarks" / "servers.py")
 servers = sys.modules.get("logprobe_servers") or importlib.util.module_from_spec(_spec)
@@ -92,7 +95,7 @@ def test_a_replica_lost_mid_batch(tmp_path):
             for line in lines[::8]:
                 alone = client.post("/v1/completions", json=line["body"])
                 assert alone.status_code == 200, alone.text
-                # the same tokens; the numbers within float32 rounding of decode steps batched with other rows
-                assert_same_answer(without_ids(output[line["custom_id"]]["body"]), without_ids(alone.json()), 1e-4)
+                # the same bits, though the line's decode steps were batched with other rows, on either replica
+                assert_same_answer(without_ids(output[line["custom_id"]]["body"]), without_ids(alone.json()), SAME)
     finally:
         cluster.terminate()

@@ -2,7 +2,8 @@
 request in bursts with idle gaps (benchmarks/soak.py, the same code the long soak runs), for about a
 minute. Its context is cut to 1024 tokens and its KV cache starts at 32 positions per sequence, so that
 generations of up to three times that length and one that ends at the context stay cheap, and the cache
-grows and shrinks again and again.
+grows and shrinks again and again. Every answer is compared with the same request's sent alone, bit for
+bit (float32 on the lean runner: docs/api.md, "The same bits beside other requests").
 
 Slow: the soak runs for 40 s by design."""
 
@@ -16,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from logprobe.engine.runners.lean.attention import Attention
 from test_load_and_faults import server_log, start_server  # noqa: E402 (same folder)
 
 pytestmark = pytest.mark.e2e
@@ -37,7 +39,9 @@ def test_soak_mix_with_idle_gaps():
     proc, base = start_server("--max-model-len", "1024", "--kv-cache-positions", str(FIRST_LEN),
                               "--prefix-cache-mb", str(PREFIX_MB))
     try:
-        res, health = soak.run_soak(base, seed=1, seconds=40, first_len=FIRST_LEN, max_requests=600, pid=proc.pid)
+        # every answer the same bits as the same request alone (float32 on the lean runner, torch >= 2.13)
+        res, health = soak.run_soak(base, seed=1, seconds=40, first_len=FIRST_LEN, max_requests=600, pid=proc.pid,
+                                    exact=Attention.invariant_kernels())
         print("\n" + soak.summary(res, health, 40))
         metrics = httpx.get(base + "/metrics", timeout=30).text
     finally:
