@@ -134,14 +134,14 @@ def main():
     modes = ("shared", "separate", "cached", "uncached", "generated", "generated-off")
     engine.start()
     try:
-        runner.prefix_cache = off
+        engine.use_prefix_cache(off)
         run(engine, items[:2])  # warm-up
         run_sorted(engine, items[:2])
         times = {mode: [] for mode in modes}
         tokens, answers = {}, {}
         for _ in range(args.rounds):
             for mode in modes:
-                runner.prefix_cache = cache if mode in ("cached", "generated") else off
+                engine.use_prefix_cache(cache if mode in ("cached", "generated") else off)
                 cache.clear()
                 if mode == "separate":
                     runner.prompt_batches.SHARED_PREFIX_MIN = 10**9

@@ -1,4 +1,4 @@
-"""The prefix cache (engine/runners/prefix_cache.py): prompt prefixes' keys, values and hidden states kept across
+"""The prefix cache (engine/host/prefix_index.py, its memory engine/runners/prefix_cache.py): prompt prefixes' keys, values and hidden states kept across
 batches of prompt-only groups, so the answers of one question sent in different batches (as
 lm-evaluation-harness's length sorting sends them) run the context through the blocks once. Every column
 must be what an engine without the cache gives, and the float64 reference's, with sliding windows
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from logprobe.engine.runners import prefix_cache
+from logprobe.engine.host import prefix_index
 from logprobe.engine.engine import Engine
 from logprobe.engine.runners.lean.attention import Attention
 from logprobe.engine.runners.prefix_cache import BLOCK, PrefixCache
@@ -63,7 +63,7 @@ def test_insert_copies_skips_what_is_held_and_replaces_what_it_holds():
     assert cache.nbytes == entry_bytes(16)
     entry = next(iter(cache.entries))
     assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size()
-               for t in [*entry.keys, *entry.values, entry.hidden])
+               for t in [*entry.store.keys, *entry.store.values, entry.store.hidden])
     assert not cache.insert(ids[:10], *tensors(ids[:10]))  # shorter than a block
     assert not cache.insert(ids[:31], *tensors(ids[:31]))  # the same whole block: held
     assert cache.insert(ids, *tensors(ids))  # 32 tokens: holds the 16 whole, which goes
@@ -94,7 +94,7 @@ def test_least_recently_used_goes_first_and_nothing_exceeds_the_bound():
 
 
 def test_a_hash_collision_never_gives_a_wrong_prefix(monkeypatch):
-    monkeypatch.setattr(prefix_cache, "block_hash", lambda previous, block: 0)  # every prefix collides
+    monkeypatch.setattr(prefix_index, "block_hash", lambda previous, block: 0)  # every prefix collides
     cache = PrefixCache(1 << 20)
     a, b = list(range(10, 42)), list(range(10, 26)) + list(range(200, 216))
     assert cache.insert(a, *tensors(a))
@@ -308,11 +308,10 @@ def test_eviction_keeps_the_bound_and_the_answers(tokenizer, engines, reference_
     model, cached, uncached = engines("llama")
     reference = reference_of(model)
     runner = cached.runner
-    saved = runner.prefix_cache
     per_token = len(runner.layers) * 2 * runner.kv_heads * runner.head_dim * 4 + model.config.hidden_size * 4
     questions = [prompts_of(tokenizer, f"Question {q}: " + CONTEXT, ANSWERS[::2]) for q in range(3)]
     largest = max(len(ids) // BLOCK * BLOCK for prompts in questions for ids in prompts)
-    runner.prefix_cache = cache = PrefixCache(int(largest * per_token * 1.5))  # one entry, not two
+    saved = cached.use_prefix_cache(cache := PrefixCache(int(largest * per_token * 1.5)))  # one entry, not two
     try:
         order = [(q, n) for q in range(3) for n in range(2)] + [(0, 0)]  # the last: evicted since
         hits = []
@@ -326,13 +325,13 @@ def test_eviction_keeps_the_bound_and_the_answers(tokenizer, engines, reference_
             assert 0 < cache.nbytes <= cache.max_bytes and len(cache) == 1
         assert hits == [0, 1, 0, 1, 0, 1, 0]
     finally:
-        runner.prefix_cache = saved
+        cached.use_prefix_cache(saved)
 
 
 def test_hash_collisions_in_the_engine(tokenizer, engines, reference_of, monkeypatch):
     """Every block hashes alike: a prompt that shares only the first block of a kept prefix uses that
     block, one that shares nothing uses nothing, and the columns stay right."""
-    monkeypatch.setattr(prefix_cache, "block_hash", lambda previous, block: 0)
+    monkeypatch.setattr(prefix_index, "block_hash", lambda previous, block: 0)
     model, cached, uncached = engines("llama")
     reference = reference_of(model)
     cached.runner.prefix_cache.clear()

@@ -199,9 +199,8 @@ def test_the_bound_holds_and_numbers_stay_under_eviction(engines, reference_of):
     every answer is the uncached engine's."""
     model, cached, uncached = engines("mistral")
     runner = cached.runner
-    saved = runner.prefix_cache
     per_token = len(runner.layers) * 2 * runner.kv_heads * runner.head_dim * 4 + runner.hidden_size * 4
-    runner.prefix_cache = cache = PrefixCache(int(100 * per_token))
+    saved = cached.use_prefix_cache(cache := PrefixCache(int(100 * per_token)))
     try:
         texts = [prompt(50, salt=10 + i) for i in range(3)]
         for step in range(30):
@@ -212,7 +211,7 @@ def test_the_bound_holds_and_numbers_stay_under_eviction(engines, reference_of):
             assert 0 < cache.nbytes <= cache.max_bytes
         assert cache.hits >= 10 and cache.misses >= 10
     finally:
-        runner.prefix_cache = saved
+        cached.use_prefix_cache(saved)
 
 
 def test_an_aborted_prompt_leaves_the_cache_right(engines):

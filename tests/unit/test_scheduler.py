@@ -9,6 +9,7 @@ import pytest
 from fake_backend import TinyTokenizer
 from logprobe.backend import FinishReason, SamplingParams
 from logprobe.config import SchedulerSettings
+from logprobe.engine.host.prefix_index import PrefixIndex, StoreState
 from logprobe.engine.host.request import SequenceGroup
 from logprobe.engine.host.scheduler import PromptPass, Scheduler
 from logprobe.tokens import TokenTable
@@ -160,36 +161,55 @@ def test_a_long_prompt_is_chunked_beside_decoding_groups():
     assert seen == [([("long", 16)], 16), ([("long", 16)], 32), ([("long", 8)], 40)]
 
 
+class Memory(StoreState):
+    """What the prefix index reads of a runner's store (its capacity, size, whether it keeps hidden
+    states), without the memory."""
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity, self.nbytes, self.has_hidden = capacity, capacity, False
+
+
 def test_the_tokens_the_prefix_cache_holds_are_computed_at_admission():
-    """The runner's `start_prompt` says, as a group is admitted to prefill, how many of its prompt's
-    tokens its prefix cache holds: they count as computed, so chunks cover the rest only and the step's
-    budget goes on to the next prompt, admission counts only the tokens still to run, and a prompt held
-    whole still runs its last token (its hidden state gives the first token)."""
-    held = {"gen": 0, "a": 30, "b": 0, "c": 100, "d": 50, "e": 0}
+    """The scheduler finds, as it admits a group to prefill, how many of its prompt's tokens the engine's
+    prefix index holds (its longest kept prefix in whole blocks) and hands the hit to the runner
+    (`start_prompt`): those tokens count as computed, so chunks cover the rest only and the step's budget
+    goes on to the next prompt, admission counts only the tokens still to run, and a prompt held whole
+    but its last token still runs that token (its hidden state gives the first token)."""
+    lengths = {"gen": 2, "a": 40, "b": 40, "c": 97, "d": 60, "e": 10}
+    ids = {name: [1000 * k + i for i in range(n)] for k, (name, n) in enumerate(lengths.items())}
+    index = PrefixIndex(2**20)
+    for name, kept in (("a", 32), ("c", 96), ("d", 48)):
+        assert index.adopt(ids[name][:kept], Memory(kept))
     asked = []
 
-    def start_prompt(g):
-        asked.append(g.request_id)
-        return held[g.request_id]
+    def start_prompt(g, hit, held):
+        asked.append((g.request_id, None if hit is None else hit.length, held))
 
     scheduler = Scheduler(SchedulerSettings(prefill_tokens=60, max_prefilling=8), prefill_chunk_tokens=16,
-                          start_prompt=start_prompt)
-    scheduler.add(group("gen", 2, max_tokens=100))
+                          start_prompt=start_prompt, prefix_index=index)
+
+    def made(name, max_tokens=4):
+        return SequenceGroup(name, ids[name], SamplingParams(max_tokens=max_tokens), TABLE)
+
+    scheduler.add(made("gen", max_tokens=100))
     run(scheduler, scheduler.schedule())
-    for name, n in (("a", 40), ("b", 40), ("c", 100), ("d", 60), ("e", 10)):
-        scheduler.add(group(name, n))
+    for name in "abcde":
+        scheduler.add(made(name))
     plan = scheduler.schedule()
-    # pending before each admission: a 0, b 10, c 50, d 51 (all < 60), e 61: e waits
+    # pending before each admission: a 0, b 8, c 48, d 49 (all < 60), e 61: e waits
     assert names(scheduler.prefilling) == ["a", "b", "c", "d"] and names(scheduler.waiting) == ["e"]
-    assert asked == ["gen", "a", "b", "c", "d"]  # once each, as it was admitted
-    assert chunks(plan) == [("a", 10), ("b", 6)]  # a's 10 left, then the rest of the step's 16
+    # once each, as it was admitted, with what the index holds of it
+    assert asked == [("gen", None, 0), ("a", 32, 32), ("b", None, 0), ("c", 96, 96), ("d", 48, 48)]
+    assert chunks(plan) == [("a", 8), ("b", 8)]  # a's 8 left, then the rest of the step's 16
     seen = []
     while plan is not None and (scheduler.prefilling or scheduler.waiting):
         seen += chunks(plan)
         run(scheduler, plan)
         plan = scheduler.schedule()
-    ran = {name: sum(n for who, n in seen if who == name) for name in held}
-    assert ran == {"gen": 0, "a": 10, "b": 40, "c": 1, "d": 10, "e": 10}, seen
+    ran = {name: sum(n for who, n in seen if who == name) for name in lengths}
+    assert ran == {"gen": 0, "a": 8, "b": 40, "c": 1, "d": 12, "e": 10}, seen
+    assert index.hits == 3 and index.tokens_saved == 32 + 96 + 48
 
 
 def test_chunks_share_the_step_budget_in_order():

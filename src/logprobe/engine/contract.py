@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from .runners.interventions import Edits
+from .runners.prefix_cache import PrefixCache
 from .runners.prompt_columns import PromptColumnWriter
 from .host.request import PromptColumns, SequenceGroup
 
@@ -34,6 +35,9 @@ class Runner(Protocol):
     # The writer of prompt columns over this runner's head (prompt_columns.py): the logit lens reads
     # a layer's positions through it.
     columns: PromptColumnWriter
+    # The engine's prefix cache, whose keys and values this runner keeps (runners/prefix_cache.py; its
+    # index is what the scheduler finds hits in), or None: the runner keeps none.
+    prefix_cache: PrefixCache | None
 
     # ---- prompts ---------------------------------------------------------------------------
     def prefill_batch(self, groups: list[SequenceGroup]) -> None:
@@ -50,11 +54,12 @@ class Runner(Protocol):
         """The next chunk of each (group, budget)'s prompt; per group the log probabilities of its first
         token to generate ([1, V]) where its prompt is done, else None."""
 
-    def start_prompt(self, group: SequenceGroup) -> int:
-        """The group's prompt is admitted to prefill (`prefill_chunks` runs it from the next step on): the
-        runner takes what its prefix cache holds of it now, held for the group until `release`, and
-        returns how many prompt tokens that is (0 for a runner without a prefix cache). The scheduler
-        counts them computed, so chunks and budgets charge only the tokens still to run."""
+    def start_prompt(self, group: SequenceGroup, hit, held: int) -> None:
+        """The group's prompt is admitted to prefill (`prefill_chunks` runs it from the next step on), its
+        first `held` tokens held by the prefix cache (`hit`, what the scheduler found in the engine's
+        prefix index; None and 0 on a miss, or where the engine keeps none): the runner takes the hit's
+        keys and values now, held for the group until `release`, and runs the rest. The scheduler counts
+        the held tokens computed, so chunks and budgets charge only the tokens still to run."""
 
     def prompt_columns(self, group: SequenceGroup) -> PromptColumns | None:
         """The columns the runner made of the group's prompt (None where it asks for none), handed over

@@ -35,6 +35,7 @@ from .device.instruments import pick_with_instruments
 from .runners.interventions import Edits
 from .host.output_processor import OutputProcessor
 from .host.picks import Pick, pick_plain_groups, split_plain_picks
+from .host.prefix_index import PrefixIndex
 from .host.request import SequenceGroup
 from .host.scheduler import Chunk, Plan, PromptPass, Scheduler
 from .device.tree_passes import grow_tree
@@ -47,7 +48,9 @@ class EngineCore:
     IDLE_WAIT_S = 0.5  # an empty inbox for this long after work is "idle"
 
     def __init__(self, runner: Runner, info: ModelInfo, table: TokenTable, check_ids: list[int],
-                 scheduling: SchedulerSettings = SchedulerSettings()):
+                 scheduling: SchedulerSettings = SchedulerSettings(), prefix_index: PrefixIndex | None = None):
+        """`prefix_index`: the engine's prefix cache, which the runner keeps its keys and values in; the
+        scheduler finds a prompt's kept prefix there as it admits it (None: the runner keeps none)."""
         if not isinstance(runner, Runner):
             raise TypeError(f"{type(runner).__name__} does not implement the runner contract (engine/contract.py)")
         self.runner = runner
@@ -56,7 +59,8 @@ class EngineCore:
         # a runner that prefills in chunks says how many tokens it takes per step beside decoding rows; one
         # that can stop between its blocks lets interactive steps into a batch pass
         self.scheduler = Scheduler(scheduling, prefill_chunk_tokens=runner.prefill_chunk_tokens,
-                                   interleaves=runner.interleaves, start_prompt=runner.start_prompt)
+                                   interleaves=runner.interleaves, start_prompt=runner.start_prompt,
+                                   prefix_index=prefix_index)
         self.outputs = OutputProcessor(info.context_length)
         self._inbox: queue.SimpleQueue[SequenceGroup | None] = queue.SimpleQueue()
         # held while one submit puts its groups: the loop takes them all into one schedule, never part

@@ -22,6 +22,7 @@ from .host.streaming import attach_releasers
 from .host.tree import group_for
 from .runners import lean
 from .runners.model_runner import ModelRunner
+from .runners.prefix_cache import PrefixCache
 from ..tokens import TokenTable
 
 
@@ -67,7 +68,8 @@ class Engine(EngineCore):
         option of that name. `kv_cache_positions`: positions per slot the batched KV cache starts with
         (it doubles as sequences grow, up to the context, and returns to this size when idle).
         `prefix_cache_mb`: memory for prompt prefixes' keys and values kept across batches of prompt-only
-        requests (engine/runners/prefix_cache.py; 0 turns it off; the lean runner only).
+        requests (the engine's: host/prefix_index.py, its memory runners/prefix_cache.py; 0 turns it off; the
+        lean runner only).
         `scheduling`: the scheduler's budgets (config.SchedulerSettings)."""
         self.model = model
         self.tokenizer = tokenizer
@@ -86,15 +88,18 @@ class Engine(EngineCore):
         grids = getattr(model, "logprobe_int4", None)
         if grids is not None and not use_fast:
             raise ValueError("4-bit decode weights need the lean runner")
+        # the prefix cache: the engine's, its index read by the scheduler, its memory the lean runner's
+        # (the transformers runner keeps none)
+        self.prefix_cache = PrefixCache(prefix_cache_mb * 2**20) if use_fast else None
         self.runner = (lean.LeanRunner(model, grids, max_len=self.info.context_length, kv_positions=kv_cache_positions,
-                                       prefix_cache_bytes=prefix_cache_mb * 2**20)
+                                       prefix_cache=self.prefix_cache)
                        if use_fast else ModelRunner(model))
         self.info.quantization = "int4" if grids is not None else None
         self.info.runner = "lean" if use_fast else "transformers"
         trim_heap()  # hand back what loading and packing freed (the weights' released copies)
         super().__init__(self.runner, self.info, self.table,
                          check_ids=(tokenizer("The", add_special_tokens=True).input_ids or [0])[:4],
-                         scheduling=scheduling)
+                         scheduling=scheduling, prefix_index=self.prefix_cache)
         self._thread: threading.Thread | None = None
         self._running_by_id: dict[str, list[SequenceGroup]] = {}
 
@@ -119,6 +124,16 @@ class Engine(EngineCore):
                    scheduling=scheduling)
 
     # ---- lifecycle -------------------------------------------------------------------------
+    def use_prefix_cache(self, cache: PrefixCache) -> PrefixCache:
+        """Put `cache` in place of the engine's prefix cache (a benchmark comparing it on and off, a test
+        of a small bound), between steps: the scheduler finds prompts' hits there and the runner keeps its
+        keys and values there from the next step on. Returns the one it replaced."""
+        if self.prefix_cache is None:
+            raise ValueError("the transformers runner keeps no prefix cache")
+        replaced = self.prefix_cache
+        self.prefix_cache = self.runner.prefix_cache = self.scheduler.prefix_index = cache
+        return replaced
+
     def start(self) -> None:
         if self._thread is None:
             self._stopping = False  # an engine stopped before runs again (the stop's wake-up is skipped)

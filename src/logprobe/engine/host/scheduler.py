@@ -38,9 +38,9 @@ requests beside 16 decoding streams gained no measurable throughput and made its
 arriving stream's first token waits for, eight times longer (docs/performance.md, Mixed load).
 
 The scheduler keeps how many prompt tokens of each group have been computed
-(`SequenceGroup.num_computed_tokens`): from the prefix cache's hit when the group is admitted to
-prefill (`start_prompt`, the runner's: the tokens it holds already are not computed, so no chunk and
-no budget charges for them), then a chunk counted as done when it is planned: a step that fails fails
+(`SequenceGroup.num_computed_tokens`): from the prefix cache's hit, which it finds in the engine's
+prefix index (host/prefix_index.py) as it admits the group to prefill (the tokens held are not computed,
+so no chunk and no budget charges for them; the runner takes the hit's keys and values: `start_prompt`), then a chunk counted as done when it is planned: a step that fails fails
 its groups (engine/core.py), so the count never runs ahead of a group that lives.
 """
 
@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
 from ...config import SchedulerSettings
+from .prefix_index import PrefixIndex, uses_prefix_cache
 from .request import SequenceGroup
 from .tree import TreeGroup
 
@@ -130,11 +131,14 @@ class Plan:
 
 class Scheduler:
     def __init__(self, settings: SchedulerSettings = SchedulerSettings(), prefill_chunk_tokens: int | None = None,
-                 interleaves: bool = False, start_prompt: Callable[[SequenceGroup], int] | None = None):
+                 interleaves: bool = False, start_prompt: Callable[..., None] | None = None,
+                 prefix_index: PrefixIndex | None = None):
         """`settings`: the budgets (config.py); `prefill_chunk_tokens` and `interleaves`: what the runner
-        does (below); `start_prompt`: the runner's, called as a group is admitted to prefill, returns the
-        prompt tokens its prefix cache holds (None: a scheduler without a runner, nothing cached)."""
-        self.start_prompt = start_prompt or (lambda group: 0)
+        does (below); `prefix_index`: the engine's prefix cache (None: nothing is kept), where a prompt
+        admitted to prefill finds what is held of it; `start_prompt(group, hit, held)`: the runner's,
+        called then with what was found (None: a scheduler without a runner)."""
+        self.start_prompt = start_prompt or (lambda group, hit, held: None)
+        self.prefix_index = prefix_index
         max_running, score_batch_tokens = settings.max_running, settings.score_batch_tokens
         max_score_batch, score_batch_tokens_decoding = settings.max_score_batch, settings.score_batch_tokens_decoding
         prefill_tokens, max_prefilling = settings.prefill_tokens, settings.max_prefilling
@@ -348,10 +352,14 @@ class Scheduler:
             self._begin_prefill(self.waiting.popleft())
 
     def _begin_prefill(self, group: SequenceGroup) -> None:
-        """Admitted: the tokens the prefix cache holds are computed, the rest are planned in chunks (at
-        least the last: its hidden state gives the first token)."""
-        held = self.start_prompt(group)
-        group.num_computed_tokens = min(max(0, held), group.num_prompt_tokens - 1)
+        """Admitted: the tokens the prefix cache holds (its longest kept prefix of the prompt, found here)
+        are computed, the rest are planned in chunks (at least the last: its hidden state gives the first
+        token); the runner takes the hit's keys and values from here on (`start_prompt`)."""
+        hit, held = None, 0
+        if self.prefix_index is not None and self.prefix_index.enabled and uses_prefix_cache(group.params):
+            hit, held = self.prefix_index.start(group.prompt_ids, hidden=group.params.needs_prompt_logits)
+        self.start_prompt(group, hit, held)
+        group.num_computed_tokens = min(held, group.num_prompt_tokens - 1)
         self.prefilling.append(group)
 
     def _take_prompt_only(self) -> list[SequenceGroup]:

@@ -46,6 +46,8 @@ def check_cache_length(cache, expected: int) -> None:
 
 
 class ModelRunner:
+    prefix_cache = None  # it keeps no prefix cache: a prompt runs whole each time
+
     def __init__(self, model):
         self.model = model
         self.config = model.config
@@ -242,9 +244,9 @@ class ModelRunner:
     def on_idle(self) -> None:
         """Called when the engine has nothing to do."""
 
-    def start_prompt(self, group: SequenceGroup) -> int:
-        """Nothing to take: this runner has no prefix cache and prefills a prompt in one go."""
-        return 0
+    def start_prompt(self, group: SequenceGroup, hit=None, held: int = 0) -> None:
+        """Nothing to take: this runner keeps no prefix cache (the engine gives its scheduler none, so
+        nothing is ever held) and prefills a prompt in one go."""
 
     def cached_tokens(self, group: SequenceGroup) -> int:
         """0: this runner computes every prompt token (it keeps no prefix cache)."""

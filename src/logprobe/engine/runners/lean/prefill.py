@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from ..interventions import segment_editor
-from ..prefix_cache import BLOCK, Store, grown
+from ...host.prefix_index import BLOCK, Hit, grown, uses_prefix_cache
+from ..prefix_cache import Store
 from ...host.request import SequenceGroup
 from .attention import ChunkKV, PassMeta
 
@@ -20,17 +21,19 @@ class PrefillState:
     store's longest entry and the store has room (`claim`), else into a store of its own holding a copy
     of the prefix. Its whole blocks are kept when the prompt is done (`keep`)."""
 
-    def __init__(self, runner, group: SequenceGroup):
+    def __init__(self, runner, group: SequenceGroup, found: tuple[Hit | None, int] | None = None):
+        """`found`: (the hit, the tokens held) the scheduler found as it admitted the prompt
+        (PrefixIndex.start); None: found here (a caller without the scheduler: tests, benchmarks)."""
         num, ids = group.num_prompt_tokens, group.prompt_ids
         cache = runner.prefix_cache
-        self.cached = cache.enabled and not group.params.interventions  # uses and fills the prefix cache
-        need_hidden = group.params.needs_prompt_logits
-        hit = cache.find(ids, hidden=need_hidden) if self.cached else None
-        # tokens written past the hit's entry by the request before (a client loop's previous call)
-        start = 0 if hit is None else hit.length + cache.tail_of(hit, ids, need_hidden)
+        self.cached = cache.enabled and uses_prefix_cache(group.params)  # uses and fills the prefix cache
+        if found is None:
+            found = cache.start(ids, group.params.needs_prompt_logits) if self.cached else (None, 0)
+        # start: after the hit and the tokens written past its entry by the request before (a client
+        # loop's previous call)
+        hit, start = found
         # whether the kept positions it starts after have their hidden states kept
-        self.hidden_valid = hit is None or (hit.views()[3] is not None and
-                                            (start == hit.length or hit.entry.store.tail[1]))
+        self.hidden_valid = hit is None or (hit.has_hidden and (start == hit.length or hit.entry.store.tail[1]))
         store = cache.claim(hit, num, self) if hit is not None else None
         if store is None:
             # whole READ_ALIGN positions: a chunk reads its store to its end rounded up (attention.ChunkKV;

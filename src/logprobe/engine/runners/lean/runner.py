@@ -52,7 +52,9 @@ class LeanRunner:
     RELEASE_PACKED = True  # see weights.release_packed; tests turn it off to compare with an engine that keeps both
 
     def __init__(self, model, int4_grids: dict | None = None, max_len: int | None = None, kv_positions: int = 256,
-                 static_decode: bool | None = None, prefix_cache_bytes: int = 256 * 2**20):
+                 static_decode: bool | None = None, prefix_cache: PrefixCache | None = None):
+        """`prefix_cache`: the engine's (engine.py makes it; the scheduler finds prompts' hits in it);
+        None: one of its own, of 256 MB (a runner built without an engine: tests, benchmarks)."""
         family, reason = family_of(model)
         if family is None:
             raise ValueError(f"the lean runner cannot run this model: {reason}")
@@ -98,7 +100,7 @@ class LeanRunner:
         self.fixed_shape = FixedShapeSteps(self)
         # Keys and values of sequences already run, kept across requests of every kind (prefix_cache.py);
         # bounded by bytes, kept when idle, 0 turns it off.
-        self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        self.prefix_cache = PrefixCache(256 * 2**20) if prefix_cache is None else prefix_cache
         self.records: dict[object, GroupRecord] = {}  # per group that holds state here
         self.prompt_batches = PromptBatches(self)
 
@@ -248,13 +250,12 @@ class LeanRunner:
         the log probabilities of its first token to generate ([1, V]) where its prompt is done, else None."""
         return prefill_chunks(self, chunks)
 
-    def start_prompt(self, group: SequenceGroup) -> int:
-        """The prompt's prefill state, made now (lean/prefill.py): it starts after the longest prefix the
-        prefix cache holds of it, whose store it holds from here on; that many tokens are computed."""
-        state = self.prefill_state(group)
-        if state is None:
-            state = self.start_prefill(group, PrefillState(self, group))
-        return state.done
+    def start_prompt(self, group: SequenceGroup, hit=None, held: int | None = None) -> None:
+        """The prompt's prefill state, made now (lean/prefill.py): it starts after the `held` tokens of the
+        prefix-cache hit the scheduler found (without them, a caller without the scheduler: after what
+        the prefix cache holds, found here), whose store it holds from here on."""
+        if self.prefill_state(group) is None:
+            self.start_prefill(group, PrefillState(self, group, None if held is None else (hit, held)))
 
     def record(self, group) -> GroupRecord:
         """The group's record here, made at its first use."""

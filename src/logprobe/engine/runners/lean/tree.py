@@ -16,6 +16,7 @@ import torch
 
 from ....backend import TreeShape
 from ...host.tree import TreeGroup
+from ..prefix_cache import views
 from .attention import ChunkKV, PassMeta
 from .prefill import prepare_prefill
 
@@ -52,7 +53,7 @@ def tree_pass(runner, tree: TreeGroup) -> torch.Tensor:
         hit = cache.find(tree.prompt_ids) if cache.enabled else None
         start = 0
         if hit is not None:
-            start, keys, values, _ = hit.views()
+            start, keys, values, _ = views(hit)
             for layer in range(len(runner.layers)):
                 state.keys[layer][:, :start] = keys[layer]
                 state.values[layer][:, :start] = values[layer]
