@@ -287,8 +287,8 @@ def test_a_pass_that_fails_after_its_pauses_fails_its_own_groups(engine, referen
              make(engine, "An interactive question about rivers", max_tokens=2, temperature=0, logprobs=3)]
     original = engine.runner.prompt_pass
 
-    def failing(groups):
-        steps = original(groups)
+    def failing(groups, hits):
+        steps = original(groups, hits)
         if not groups[0].is_batch:
             return (yield from steps)
         for positions in steps:
@@ -308,6 +308,32 @@ def test_a_pass_that_fails_after_its_pauses_fails_its_own_groups(engine, referen
     asyncio.run(engine.run_groups(again))
     for group in again:
         assert group.error is None
+        ref = reference.logprobs(group.prompt_ids).numpy()
+        want = [ref[i - 1][group.prompt_ids[i]] for i in range(1, len(group.prompt_ids))]
+        np.testing.assert_allclose(group.prompt_columns.logprobs[1:], want, atol=TOL)
+
+
+def test_a_pass_that_fails_as_it_begins_fails_its_groups_once(engine, reference, monkeypatch):
+    """A prompt-only pass whose runner fails as the pass begins (before its first block) leaves the
+    scheduler and fails its own groups with that one step; the engine then scores the same texts, each as
+    the float64 reference does."""
+    lines = batch_lines(engine)
+
+    def broken(groups, hits):
+        raise RuntimeError("injected failure as a pass begins")
+
+    monkeypatch.setattr(engine.runner, "prompt_pass", broken)
+
+    async def main():
+        return await asyncio.gather(*engine.submit(lines), return_exceptions=True)
+
+    asyncio.run(main())
+    monkeypatch.undo()
+    assert all(isinstance(g.error, RuntimeError) for g in lines) and not engine.scheduler.passes
+    assert engine.step_failures == 1 and engine.request_failures == 0
+    again = copies(lines, engine.table)
+    asyncio.run(engine.run_groups(again))
+    for group in again:
         ref = reference.logprobs(group.prompt_ids).numpy()
         want = [ref[i - 1][group.prompt_ids[i]] for i in range(1, len(group.prompt_ids))]
         np.testing.assert_allclose(group.prompt_columns.logprobs[1:], want, atol=TOL)

@@ -44,11 +44,13 @@ class Runner(Protocol):
         """Prompt-only groups (max_tokens 0): make each one's prompt columns where it asks for them
         (`prompt_columns` hands them over)."""
 
-    def prompt_pass(self, groups: list[SequenceGroup]) -> Iterator[int]:
+    def prompt_pass(self, groups: list[SequenceGroup], hits: list | None) -> Iterator[int]:
         """`prefill_batch` as steps: the engine advances it a step at a time (next()), the runner
         yielding where it may be paused (the padded positions a block just ran, 0 before a run of the
         head; nowhere where not `interleaves`) and the pass done when it stops. Between two of its
-        steps the engine runs others (decode, prompts, other passes): the pass holds no state they touch."""
+        steps the engine runs others (decode, prompts, other passes): the pass holds no state they touch.
+        `hits`: per group, its longest kept prefix (with hidden states) the engine found in its prefix
+        index as the pass began, or None; None for all where the engine keeps no prefix cache."""
 
     def prefill_chunks(self, chunks: list[tuple[SequenceGroup, int]]) -> list[torch.Tensor | None]:
         """The next chunk of each (group, budget)'s prompt; per group the log probabilities of its first

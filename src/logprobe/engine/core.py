@@ -35,7 +35,7 @@ from .device.instruments import pick_with_instruments
 from .runners.interventions import Edits
 from .host.output_processor import OutputProcessor
 from .host.picks import Pick, pick_plain_groups, split_plain_picks
-from .host.prefix_index import PrefixIndex
+from .host.prefix_index import PrefixIndex, prompt_hits
 from .host.request import SequenceGroup
 from .host.scheduler import Chunk, Plan, PromptPass, Scheduler
 from .device.tree_passes import grow_tree
@@ -280,9 +280,10 @@ class EngineCore:
         other work waiting (`Scheduler.should_pause`, after taking new requests from the inbox): the
         step ends there and a later one goes on with the pass. An interactive request thus waits for a
         block of a long pass, not for the pass. When the pass ends, its groups' answers go out."""
-        if prompt_pass.steps is None:
-            prompt_pass.steps = self.runner.prompt_pass(prompt_pass.groups)
         try:
+            if prompt_pass.steps is None:  # begun, with its prompts' kept prefixes found now
+                prompt_pass.steps = self.runner.prompt_pass(
+                    prompt_pass.groups, prompt_hits(self.scheduler.prefix_index, prompt_pass.groups))
             for positions in prompt_pass.steps:  # per block: the positions it ran through; 0 before a head run
                 if self._pause_point(prompt_pass, positions):
                     return  # paused: the scheduler keeps it for a later step

@@ -66,6 +66,14 @@ def uses_prefix_cache(params) -> bool:
     return not params.interventions
 
 
+def prompt_hits(index: "PrefixIndex | None", groups) -> list:
+    """Per prompt-only group, its longest kept prefix with the hidden states (what its columns read), or
+    None: a miss, a request that does not use the cache, or no cache."""
+    if index is None or not index.enabled:
+        return [None] * len(groups)
+    return [index.find(g.prompt_ids, hidden=True) if uses_prefix_cache(g.params) else None for g in groups]
+
+
 class StoreState:
     """What the index keeps on each store besides its memory (the runner's `Store` is one): `frontier`,
     the positions the longest entry on it holds (what a writer may append after); `writer`, who is

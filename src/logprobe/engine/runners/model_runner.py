@@ -205,8 +205,9 @@ class ModelRunner:
     prefill_chunk_tokens = None  # a prompt is prefilled whole
     interleaves = False  # a prompt-only pass runs whole, in the step that starts it
 
-    def prompt_pass(self, groups: list[SequenceGroup]) -> Iterator[int]:
-        """`prefill_batch` as the contract's steps: the whole pass at the first, no point between."""
+    def prompt_pass(self, groups: list[SequenceGroup], hits: list | None = None) -> Iterator[int]:
+        """`prefill_batch` as the contract's steps: the whole pass at the first, no point between (no hits:
+        this runner keeps no prefix cache)."""
         self.prefill_batch(groups)
         yield from ()
 

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from ..interventions import segment_editor
-from ..prefix_cache import BLOCK
+from ...host.prefix_index import BLOCK, prompt_hits, uses_prefix_cache
+from ..prefix_cache import views
 from ..prompt_columns import copy_rows
 from ...host.request import PromptColumns, SequenceGroup
 from .attention import PassMeta, PrefixedKV
@@ -39,21 +40,20 @@ class PromptBatches:
     def __init__(self, runner):
         self.runner = runner
 
-    def steps(self, groups: list[SequenceGroup], head_positions: int | None = None) -> Iterator[int]:
+    def steps(self, groups: list[SequenceGroup], found: list | None = None,
+              head_positions: int | None = None) -> Iterator[int]:
         """Fill each group's prompt columns (where it asks for them) from right-padded passes of like
         lengths (or `run_shared`'s, where prompts share a prefix), as steps (LeanRunner.prompt_pass):
         yields after each block and before each head run of `head_positions` at most. The plain causal
         mask is enough: padding sits after each prompt, so a real position never sees it (padded
-        positions' outputs are dropped)."""
-        cache = self.runner.prefix_cache
+        positions' outputs are dropped). `found`: each group's prefix-cache hit, as the engine found it
+        (None: found here)."""
         # A group with interventions runs a modified forward pass: its keys and values are not those of
         # its tokens alone, so it neither uses nor seeds the prefix cache, nor shares a prefix in the batch.
-        plain = [i for i, g in enumerate(groups) if not g.params.interventions]
-        hits = {}
-        for i in plain:
-            hit = cache.lookup(groups[i].prompt_ids)
-            if hit is not None:
-                hits[i] = hit
+        plain = [i for i, g in enumerate(groups) if uses_prefix_cache(g.params)]
+        if found is None:
+            found = prompt_hits(self.runner.prefix_cache, groups)
+        hits = {i: views(found[i]) for i in plain if found[i] is not None}
         clusters, taken = [], set()
         for length, members in shared_prefixes([groups[i].prompt_ids for i in plain], self.SHARED_PREFIX_MIN):
             members = [i for i in (plain[j] for j in members) if i not in hits or hits[i][0] < length]

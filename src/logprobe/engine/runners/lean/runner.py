@@ -232,13 +232,15 @@ class LeanRunner:
         """`prompt_pass` run through."""
         drain(self.prompt_pass(groups))
 
-    def prompt_pass(self, groups: list[SequenceGroup]) -> Iterator[int]:
+    def prompt_pass(self, groups: list[SequenceGroup], hits: list | None = None) -> Iterator[int]:
         """Prompt-only groups (scoring, echo with max_tokens 0) in one pass, prefixes shared where they
         can be (prompt_batch.py), no KV cache kept for decoding, as steps: it yields after each block
         (the positions the block ran) and before each run of the head (0, over PASS_HEAD_POSITIONS
         positions at most), where the engine may end its step and go on in a later one (core.py). The
-        pass keeps its activations meanwhile and touches no shared state the steps between change."""
-        return self.prompt_batches.steps(groups, self.PASS_HEAD_POSITIONS)
+        pass keeps its activations meanwhile and touches no shared state the steps between change.
+        `hits`: what the engine found of each prompt in the prefix cache (None: found here, for a
+        caller without the engine)."""
+        return self.prompt_batches.steps(groups, hits, self.PASS_HEAD_POSITIONS)
 
     def prefill_chunk(self, group: SequenceGroup, budget: int) -> torch.Tensor | None:
         """`prefill_chunks` for one group."""
