@@ -9,7 +9,11 @@ against the float64 forward.
 What makes it hold: torch's float32 products are row-invariant under MKL's strict reproducibility mode
 (set on import, logprobe/__init__.py), and every pass reads keys to `Attention.aligned` of the positions
 it holds, at which SDPA gives a query the same bits whatever the read and whichever form the call takes
-(test_attention_reads.py; benchmarks/row_invariance.py measures both)."""
+(test_attention_reads.py; benchmarks/row_invariance.py measures both).
+
+Slow: a family's prompt test runs 190 requests of every kind (up to 300 tokens, prompts prefilled in
+chunks of 40 next to decoding rows, each position's ranks over a 49,152-token vocabulary), half of them
+with the prefix cache, and compares every number of its probes: 16-20 s a family on 2 vCPUs."""
 
 from __future__ import annotations
 
