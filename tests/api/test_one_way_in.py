@@ -77,6 +77,20 @@ def test_a_typed_request_is_the_parsed_body(fields):
     assert scoring.request("tiny", **fields) == scoring.parse({"model": "tiny", **fields}, Limits())
 
 
+def test_a_typed_request_holds_each_argument_in_its_field():
+    """Each keyword lands in its own field, written out here rather than read back from the parser: a text
+    after its context, what to compute, the asked ids per position; a conversation, its last assistant
+    turn scored."""
+    req = scoring.request("tiny", input="a text", context="before it", add_bos=False, top_logprobs=3,
+                          position_stats=True, logprob_token_ids=[[5, 9]])
+    assert (req.model, req.inputs, req.contexts, req.add_bos, req.top_logprobs, req.position_stats) == \
+        ("tiny", ["a text"], ["before it"], False, 3, True)
+    assert req.logprob_token_ids == [[(5, 9)]] and req.messages is None
+    chat = scoring.request("tiny", messages=[{"role": "user", "content": "hi"},
+                                             {"role": "assistant", "content": "hello"}])
+    assert chat.inputs == [] and chat.scored_turns == [1] and chat.add_bos and chat.top_logprobs is None
+
+
 @pytest.mark.parametrize("fields, param", [
     ({"input": "a text", "top_logprobs": 101}, "top_logprobs"),
     ({"input": []}, "input"),

@@ -39,9 +39,10 @@ arriving stream's first token waits for, eight times longer (docs/performance.md
 
 The scheduler keeps how many prompt tokens of each group have been computed
 (`SequenceGroup.num_computed_tokens`): from the prefix cache's hit, which it finds in the engine's
-prefix index (host/prefix_index.py) as it admits the group to prefill (the tokens held are not computed,
-so no chunk and no budget charges for them; the runner takes the hit's keys and values: `start_prompt`), then a chunk counted as done when it is planned: a step that fails fails
-its groups (engine/core.py), so the count never runs ahead of a group that lives.
+prefix index (host/prefix_index.py) as it admits the group to prefill (the tokens held are not
+computed, so no chunk and no budget charges for them; the runner takes the hit's keys and values:
+`start_prompt`), then a chunk counted as done when it is planned: a step that fails fails its groups
+(engine/core.py), so the count never runs ahead of a group that lives.
 """
 
 from __future__ import annotations
