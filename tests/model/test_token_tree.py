@@ -242,7 +242,7 @@ def test_sliding_windows_cut_the_tree_mask(kind, tokenizer, reference_of):
 def test_a_failing_tree_fails_alone(client, tiny_engine, monkeypatch):
     """A tree whose pass raises fails that request (500), the engine goes on serving, and the next tree
     is whole."""
-    def broken(tree):
+    def broken(tree, hit):
         raise RuntimeError("injected")
 
     monkeypatch.setattr(tiny_engine.runner, "tree_pass", broken)

@@ -92,8 +92,11 @@ class Runner(Protocol):
     def select(self, group: SequenceGroup, keep: list[int]) -> None:
         """Keep the group's rows at the places `keep` (the others finished)."""
 
-    def tree_pass(self, tree) -> torch.Tensor:
-        """A token tree's next level (its prompt first): [rows, V] raw log probabilities."""
+    def tree_pass(self, tree, hit) -> torch.Tensor:
+        """A token tree's next level (its prompt first): [rows, V] raw log probabilities. `hit`: at the
+        first pass, the prompt's longest kept prefix the engine found in its prefix index (the runner
+        takes its keys and values and runs the rest); None on a miss, at later passes, or where the
+        engine keeps no prefix cache."""
 
     # ---- activations -----------------------------------------------------------------------
     def residual_stream(self, ids: list[int], layers: list[int], edits: Edits | None = None) -> dict[int, np.ndarray]:

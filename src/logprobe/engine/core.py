@@ -305,7 +305,11 @@ class EngineCore:
         return self.scheduler.should_pause(prompt_pass)
 
     def _grow_tree(self, tree) -> None:
-        grow_tree(self.runner, tree, self.new_grammar_state)
+        """A level of the tree; before its first pass (its prompt) the prompt's kept prefix is found in
+        the engine's prefix index (a tree's pass is never modified: it always uses the cache)."""
+        index = self.scheduler.prefix_index
+        hit = index.find(tree.prompt_ids) if tree.level == 0 and index is not None else None
+        grow_tree(self.runner, tree, self.new_grammar_state, hit)
         self._after_step(tree)
 
     def _resolve(self, group: SequenceGroup) -> None:

@@ -18,10 +18,11 @@ from .sampler import BatchSettings, filtered_scores
 from .steering import Steering, conflict_at, steered_distributions
 from ..host.tree import Children, TreeGroup
 
-def grow_tree(runner, tree: TreeGroup, new_grammar_state=None) -> None:
+def grow_tree(runner, tree: TreeGroup, new_grammar_state=None, hit=None) -> None:
     """The tree's next level: one pass (the prompt, or the frontier's nodes) and their children recorded.
-    `new_grammar_state(constraint)`: a grammar's state at the start of a text (for a constrained tree)."""
-    raw = runner.tree_pass(tree)
+    `new_grammar_state(constraint)`: a grammar's state at the start of a text (for a constrained tree);
+    `hit`: the prompt's kept prefix, for the first pass (the runner's `tree_pass`)."""
+    raw = runner.tree_pass(tree, hit)
     masks = steering_masks(tree, raw.shape[-1], new_grammar_state) if tree.params.is_steered else None
     tree.grow(children_of(raw, tree.params, tree.shape, masks))
 

@@ -214,7 +214,7 @@ class ModelRunner:
     RECOMPUTED_TOKENS = 8192  # tokens per pass of a tree's recomputed paths (rows x their length)
 
     @torch.inference_mode()
-    def tree_pass(self, tree) -> torch.Tensor:
+    def tree_pass(self, tree, hit=None) -> torch.Tensor:
         """[R, V] raw log probabilities after each frontier node's path of a token tree (the prompt's end
         for the first pass), each path run whole through transformers' forward, rows batched up to
         RECOMPUTED_TOKENS: the lean runner's numbers, more work (prompt + depth tokens per node), and no

@@ -303,9 +303,9 @@ class LeanRunner:
         state.release(self.prefix_cache)
 
     @torch.inference_mode()
-    def tree_pass(self, tree) -> torch.Tensor:
+    def tree_pass(self, tree, hit=None) -> torch.Tensor:
         """A token tree's next level, the prompt first (lean/tree.py): [rows, V] raw log probabilities."""
-        return tree_pass(self, tree)
+        return tree_pass(self, tree, hit)
 
     # ---- decode ------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -1,8 +1,8 @@
 """A token tree's passes on the lean runner (engine/host/tree.py): the prompt once, then each level of the tree
 as one pass over its nodes, like the tree verification of speculative decoding.
 
-The prompt starts after its longest prefix the prefix cache keeps (prefix_cache.py), and leaves its
-whole blocks there. The tree's keys and values live in one buffer per layer, `TreeKV` ([KV, P + inner nodes, d]): the
+The prompt starts after its longest prefix the prefix cache keeps (prefix_cache.py; the engine finds it
+in its prefix index before the tree's first pass), and leaves its whole blocks there. The tree's keys and values live in one buffer per layer, `TreeKV` ([KV, P + inner nodes, d]): the
 prompt's positions, then each expanded node's, in the order the passes ran them. A level's pass writes
 its nodes' keys and values after the ones held (attention.ChunkKV, as a prompt chunk does) and attends
 over the buffer with a tree mask: each node sees the prompt, its ancestors and itself, at its true
@@ -16,6 +16,7 @@ import torch
 
 from ....backend import TreeShape
 from ...host.tree import TreeGroup
+from ...host.prefix_index import Hit
 from ..prefix_cache import views
 from .attention import ChunkKV, PassMeta
 from .prefill import prepare_prefill
@@ -41,17 +42,16 @@ def inner_nodes(shape: TreeShape) -> int:
     return TreeShape(shape.depth - 1, shape.branches).max_nodes
 
 
-def tree_pass(runner, tree: TreeGroup) -> torch.Tensor:
-    """The tree's next pass: the prompt (first) or its frontier's nodes, one row each. Returns their raw
-    next-token log probabilities [rows, V]."""
+def tree_pass(runner, tree: TreeGroup, hit: Hit | None = None) -> torch.Tensor:
+    """The tree's next pass: the prompt (first; after `hit`, its longest kept prefix, where the engine
+    found one) or its frontier's nodes, one row each. Returns their raw next-token log probabilities
+    [rows, V]."""
     record = runner.record(tree)
     if record.tree is None:
         num_prompt = tree.num_prompt_tokens
         state = record.tree = TreeKV(runner, num_prompt, num_prompt + inner_nodes(tree.shape))
-        # the prompt after its longest kept prefix (prefix_cache.py), whose keys and values are copied in
-        cache = runner.prefix_cache
-        hit = cache.find(tree.prompt_ids) if cache.enabled else None
-        start = 0
+        # the prompt after its longest kept prefix, whose keys and values are copied in
+        cache, start = runner.prefix_cache, 0
         if hit is not None:
             start, keys, values, _ = views(hit)
             for layer in range(len(runner.layers)):
