@@ -2,7 +2,8 @@
 under the batch-invariance work (docs/performance.md). Not a timing: it prints, for each kernel the lean
 runner calls, the classes of call shapes inside which one row's output is bit-for-bit the same.
 
-- Products (`F.linear` in float32; oneDNN's pre-packed bfloat16 product; the 4-bit kernel of
+- Products (`F.linear` in float32; oneDNN's float32 product, pre-packed and of the plain weight;
+  oneDNN's pre-packed bfloat16 product; the 4-bit kernel of
   `--quantization int4`), at a model's weight shapes: one probe row at the first, middle and last place
   of calls of 1 to 1,024 rows, the other rows random.
 - Attention in the decode layout (one query per row, `attend_rows`): one row beside n - 1 others over
@@ -11,6 +12,8 @@ runner calls, the classes of call shapes inside which one row's output is bit-fo
   keys from position 0, computed in one call or split in chunks of queries (as chunked prefill does).
 - Attention over reads: one query at a position, over every read of whole 64 positions that holds it;
   and whether the reads `Attention.aligned` makes fall in one class (the invariance rests on it).
+- Last, what the runner measures and chooses on this machine as it starts (engine/runners/lean/row_floors.py):
+  each weight's float32 product and its row floor, SDPA's query floor and short block of keys.
 
     python benchmarks/row_invariance.py [--threads 2] [--hidden 576 --heads 9 --kv-heads 3 --head-dim 64
                                          --intermediate 1536 --vocab 49152]
@@ -58,6 +61,11 @@ def products(shapes: dict, gen: torch.Generator) -> None:
         w32 = torch.randn(n, k, generator=gen) * 0.05
         kinds = {"float32 F.linear": (lambda x, w=w32: F.linear(x, w), torch.float32)}
         if torch.backends.mkldnn.is_available():
+            packed32 = torch.ops.mkldnn._reorder_linear_weight(w32)
+            kinds["float32 packed (oneDNN)"] = (
+                lambda x, p=packed32: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""), torch.float32)
+            kinds["float32 plain (oneDNN)"] = (
+                lambda x, w=w32: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), torch.float32)
             packed = torch.ops.mkldnn._reorder_linear_weight(w32.bfloat16())
             kinds["bfloat16 packed (oneDNN)"] = (
                 lambda x, p=packed: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""), torch.bfloat16)
@@ -158,6 +166,16 @@ def main() -> None:
         decode_attention(args.heads, args.kv_heads, d, gen)
         prompt_attention(args.heads, args.kv_heads, d, gen)
         read_attention(args.heads, args.kv_heads, d, gen)
+    from logprobe.engine.runners.lean import row_floors
+
+    threads = torch.get_num_threads()
+    for name, (n, k) in shapes.items():
+        onednn, floor = row_floors.product_for(n, k, threads)
+        print(f"the runner's float32 product [{n}x{k}] ({name}): {'oneDNN' if onednn else 'F.linear'}, "
+              f"calls padded to {floor} rows at least")
+    for dtype in (torch.float32, torch.bfloat16):
+        print(f"SDPA {dtype}, head size {d}: query floor {row_floors.query_floor(d, dtype, threads)}, "
+              f"short block {row_floors.short_block(d, dtype, threads)}")
 
 
 if __name__ == "__main__":

@@ -175,5 +175,6 @@ def test_kv_cache_shrinks_when_idle(tiny_engine):
     deadline = time.time() + 120
     while classes() != initial and time.time() < deadline:
         time.sleep(0.05)
-    bytes_per_slot = 2 * cache.num_layers * cache.kv_heads * capacity * cache.head_dim * 4  # float32
+    # float32, over the positions the class holds (its capacity, or more: Attention.held)
+    bytes_per_slot = 2 * cache.num_layers * cache.kv_heads * cache.positions(capacity) * cache.head_dim * 4
     assert classes() == initial and not cache.rows and cache.nbytes == slots * bytes_per_slot

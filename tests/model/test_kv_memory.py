@@ -171,7 +171,7 @@ def test_memory_follows_the_positions_held(llama, tokenizer):
 
     def observe():
         lengths = [(r.slab, r.length) for r in cache.rows]
-        spare = sum((slab.num_slots - len(slab.rows)) * capacity for capacity, slab in cache.slabs.items())
+        spare = sum((slab.num_slots - len(slab.rows)) * cache.positions(capacity) for capacity, slab in cache.slabs.items())
         steps.append((cache.nbytes, engine.stats()["kv_cache_bytes"], lengths, spare, classes(cache)))
         moves()
 
@@ -180,13 +180,16 @@ def test_memory_follows_the_positions_held(llama, tokenizer):
     for nbytes, reported, lengths, spare, held_classes in steps:
         assert reported == nbytes  # what the engine reports
         assert all(rows for capacity, _, rows in held_classes if capacity != 16)  # an emptied class is let go
-        assert nbytes == per_position * sum(capacity * slots for capacity, slots, _ in held_classes)
+        # (a class holds the positions a read cut at its end needs: its capacity, or 512 for the 256 class
+        # where the CPU's attention kernel splits a last block of 256 keys: Attention.held)
+        assert nbytes == per_position * sum(cache.positions(capacity) * slots for capacity, slots, _ in held_classes)
         if not lengths:
             continue
         # each row's class is at most twice its length (or the first class)
         assert all(capacity <= max(16, 2 * length) for capacity, length in lengths)
         held = sum(max(length, 8) for _, length in lengths)
-        assert nbytes <= per_position * (2 * held + spare)
+        aligned = sum(cache.positions(capacity) - capacity for capacity, _ in lengths)  # Attention.held's extra
+        assert nbytes <= per_position * (2 * held + spare + aligned)
         longest = max(length for _, length in lengths)
         if len(lengths) == 32:  # everyone decoding
             peak = max(peak, nbytes)
@@ -256,14 +259,14 @@ def test_back_to_the_first_size_and_the_same_answers_again(engine4, llama):
     cache = engine.runner.cache
     per_position = bytes_per_position(llama[0])
     engine.runner.on_idle()
-    initial = 4 * 4 * per_position
+    initial = 4 * cache.positions(4) * per_position  # 4 slots of the first class (its positions: Attention.held)
     assert classes(cache) == [(4, 4, 0)] and cache.nbytes == initial
     single = answers(drive(engine, batch(engine)[:1]))
     rounds = []
     for _ in range(2):
         largest = []
         rounds.append(answers(drive(engine, batch(engine), lambda: largest.append(cache.nbytes))))
-        assert max(largest) > 8 * initial  # it grew
+        assert max(largest) > 4 * initial  # it grew
         engine.runner.on_idle()
         assert classes(cache) == [(4, 4, 0)] and cache.nbytes == initial
         assert engine.stats()["kv_cache_bytes"] == initial

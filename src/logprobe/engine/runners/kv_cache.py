@@ -45,7 +45,7 @@ class Slab:
 
     def __init__(self, capacity: int, keys: list[torch.Tensor], values: list[torch.Tensor]):
         self.capacity = capacity
-        self.keys, self.values = keys, values  # per layer: [S, KV, capacity, D]
+        self.keys, self.values = keys, values  # per layer: [S, KV, capacity (or more: SlabCache.positions), D]
         self.rows: list[Row] = []
 
     @property
@@ -59,7 +59,11 @@ class Slab:
 
 class SlabCache:
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype, device, max_len: int,
-                 slots: int = 4, capacity: int = 256):
+                 slots: int = 4, capacity: int = 256, positions=None):
+        """`positions(capacity)`: the positions a class's keys and values hold, `capacity` or more (the
+        lean runner's on a CPU: `Attention.held`, positions whose read gives a row the bits of any longer
+        read, where rows' reads stop at the slab's end; None: `capacity`)."""
+        self.positions = positions or (lambda capacity: capacity)
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.dtype, self.device, self.max_len = dtype, device, max_len
         self._initial = (slots, min(capacity, max_len))  # the first class's slots and capacity
@@ -107,7 +111,7 @@ class SlabCache:
         if capacities != sorted(capacities):
             return False
         for capacity, slab in self.slabs.items():
-            shape = (slab.num_slots, self.kv_heads, capacity, self.head_dim)
+            shape = (slab.num_slots, self.kv_heads, self.positions(capacity), self.head_dim)
             if slab.capacity != capacity or len(slab.rows) > slab.num_slots or \
                     any(tuple(t.shape) != shape for t in slab.keys + slab.values):
                 return False
@@ -202,7 +206,7 @@ class SlabCache:
             self.slabs = {c: other for c, other in self.slabs.items() if other is not slab}
 
     def _zeros(self, slots: int, capacity: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        shape = (slots, self.kv_heads, capacity, self.head_dim)
+        shape = (slots, self.kv_heads, self.positions(capacity), self.head_dim)
         return ([torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)],
                 [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)])
 

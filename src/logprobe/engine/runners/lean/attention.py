@@ -16,6 +16,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from .row_floors import padded_queries, query_floor, short_block
+
 
 @dataclass(slots=True)
 class ChunkKV:
@@ -105,12 +107,27 @@ class PassMeta:
 class Attention:
     """Scaled dot-product attention of every layer, and the masks a pass's prepare step makes for it."""
 
-    def __init__(self, windows: list[int | None], scale: float, num_heads: int, kv_heads: int, dtype, device):
+    def __init__(self, windows: list[int | None], scale: float, num_heads: int, kv_heads: int, dtype, device,
+                 head_dim: int | None = None):
+        """`head_dim`: the size of a head, whose kernel's last short block of keys is measured on a CPU
+        (row_floors.short_block; None: SHORT_BLOCK)."""
         self.windows = windows  # per layer: its sliding window, or None (full attention)
         self.window_sizes = sorted({w for w in windows if w is not None})
         self.scale, self.num_heads, self.kv_heads = scale, num_heads, kv_heads
         self.group = num_heads // kv_heads  # query heads per key/value head
         self.dtype, self.device = dtype, device
+        self.floors: dict[tuple, int] = {}  # (head size, dtype) -> the kernel's query floor (`query_floor`)
+        self.short_block = self.SHORT_BLOCK if head_dim is None or torch.device(device).type != "cpu" else \
+            short_block(head_dim, dtype, torch.get_num_threads(), self.SHORT_BLOCK)
+
+    def query_floor(self, q: torch.Tensor) -> int:
+        """The fewest queries a block of SDPA's CPU kernel holds for a query's bits not to depend on the
+        others in it, for queries like `q` (row_floors.query_floor; 1 off a CPU)."""
+        key = (q.shape[-1], q.dtype)
+        floor = self.floors.get(key)
+        if floor is None:
+            floor = self.floors[key] = query_floor(*key, torch.get_num_threads()) if q.device.type == "cpu" else 1
+        return floor
 
     # How far a pass reads keys: SDPA's CPU kernel sums whole vectors of keys and then a scalar tail, takes
     # keys in blocks of KV_BLOCK, and (float32) its product of a block's weights by the values splits a
@@ -167,9 +184,30 @@ class Attention:
     def sdpa(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
              ) -> torch.Tensor:
         """q [B, H, T, d] over keys and values [B, KV, K, d] under an additive mask ([T, K] or [B, 1, T, K];
-        None: plain causal)."""
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
-                                              scale=self.scale, enable_gqa=self.kv_heads != self.num_heads)
+        None: plain causal). The queries are padded where a block of the kernel's split would hold fewer
+        than its floor (`query_floor`): a padded query attends as the last real one (its mask's row, or
+        causally past it), and its output is dropped."""
+        t = q.shape[2]
+        padded = padded_queries(t, self.query_floor(q))
+        if padded > t:
+            q = F.pad(q, (0, 0, 0, padded - t))
+            if mask is not None:
+                mask = torch.cat([mask, mask[..., -1:, :].expand(*mask.shape[:-2], padded - t, mask.shape[-1])], dim=-2)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
+                                             scale=self.scale, enable_gqa=self.kv_heads != self.num_heads)
+        return out if padded == t else out[:, :, :t]
+
+    def attend_decode(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
+                      ) -> torch.Tensor:
+        """Decode rows' queries [n, KV, H/KV, d] (each key/value head's query heads as its queries) over
+        their keys and values [n, KV, L, d] under a mask [n or 1, 1, 1, L] (None: every key seen), the
+        query heads padded to the kernel's floor (`query_floor`) -> [n, KV, H/KV, d]."""
+        group = q.shape[2]
+        floor = self.query_floor(q)
+        if group < floor:
+            q = F.pad(q, (0, 0, 0, floor - group))
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
+        return out if group >= floor else out[:, :, :group]
 
     def attend_rows(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slabs: list[SlabRows]
                     ) -> torch.Tensor:
@@ -192,8 +230,7 @@ class Attention:
                 values[part.slots, :, part.positions] = vs[:, :, 0]
             first, mask = part.views[window]
             keys, values = keys.narrow(2, first, part.read - first), values.narrow(2, first, part.read - first)
-            outs.append(F.scaled_dot_product_attention(qs.reshape(n, self.kv_heads, self.group, -1), keys, values,
-                                                       attn_mask=mask, scale=self.scale))
+            outs.append(self.attend_decode(qs.reshape(n, self.kv_heads, self.group, -1), keys, values, mask))
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out.reshape(q.shape[0], self.num_heads, 1, -1)
 
@@ -229,12 +266,27 @@ class Attention:
             out[key] = mask
         return out
 
+    KEY_VECTOR = 16  # keys the kernel sums as one vector: a read of whole vectors has no scalar tail
+
+    def held(self, capacity: int) -> int:
+        """The positions to hold for rows of up to `capacity` whose reads stop at the buffer's end (a row
+        reads `aligned` of the longest row beside it, cut there): positions a read of which gives a
+        query the bits of every longer read, the capacity where it is one (whole KEY_VECTORs, its last
+        block of keys within the short block or whole); else whole KEY_VECTORs below READ_ALIGN, and
+        `aligned(capacity)` from it."""
+        if capacity % self.KEY_VECTOR == 0 and capacity % self.KV_BLOCK <= self.short_block:
+            return capacity
+        if capacity < self.READ_ALIGN:
+            return -(-capacity // self.KEY_VECTOR) * self.KEY_VECTOR
+        return self.aligned(capacity)
+
     def aligned(self, length: int) -> int:
         """The key positions a pass reads to hold `length` (those past a query's own masked): whole
-        READ_ALIGN, up to the next whole KV_BLOCK where the last block would be longer than SHORT_BLOCK
-        (see READ_ALIGN): 64, 128, 192, 256, 512, 576, ..., 768, 1024, 1088, ..."""
+        READ_ALIGN, up to the next whole KV_BLOCK where the last block would be longer than the short
+        block this CPU's kernel allows (SHORT_BLOCK at most; see READ_ALIGN): 64, 128, 192, 256, 512,
+        576, ..., 768, 1024, 1088, ... where it is 256."""
         read = -(-length // self.READ_ALIGN) * self.READ_ALIGN
-        if read % self.KV_BLOCK > self.SHORT_BLOCK:
+        if read % self.KV_BLOCK > self.short_block:
             read = -(-read // self.KV_BLOCK) * self.KV_BLOCK
         return read
 

@@ -76,7 +76,7 @@ class LeanRunner:
         # per layer: None or its sliding window (one as long as the context masks nothing: a full layer)
         self.windows = [w if w is not None and w < max_len else None for w in windows]
         self.attention = Attention(self.windows, family.attention_scale(), self.num_heads, self.kv_heads,
-                                   self.dtype, self.device)
+                                   self.dtype, self.device, head_dim=self.head_dim)
         if self.device.type == "cpu" and not Attention.invariant_kernels():
             log.warning("torch %s: a request's numbers may differ in the last bits with what runs beside it "
                         "(batch invariance needs torch >= %s on a CPU: docs/performance.md)", torch.__version__,
@@ -90,7 +90,7 @@ class LeanRunner:
         self.columns = PromptColumnWriter(self.logprobs_of, self.vocab_size)
         self.kv_positions = kv_positions
         self.cache = SlabCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device,
-                               max_len=max_len, capacity=kv_positions)
+                               max_len=max_len, capacity=kv_positions, positions=self._slab_positions)
         # Decode steps of fixed shapes (fixed_shape.py), replayed as CUDA graphs on a GPU; on a CPU (tests)
         # run eagerly. `pick_in_step`: whether such a step also picks the tokens (sampler.pick) in its
         # recorded pass, where no row filters; off, the engine picks after it (benchmarks/gpu_check.py
@@ -175,6 +175,13 @@ class LeanRunner:
             sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
             tables[key] = cos[:, :, None], sin[:, :, None]
         return tables
+
+    def _slab_positions(self, capacity: int) -> int:
+        """The positions a KV cache class of `capacity` holds: on a CPU at least a read that gives a row
+        the bits of every longer read (`Attention.held`), so a decode read cut at the class's end is one
+        (a class of 256 where the kernel's short block is 192, or a context length of 300, would give a
+        row other bits than the same row read further); elsewhere the capacity."""
+        return self.attention.held(capacity) if self.device.type == "cpu" else capacity
 
     def logprobs_of(self, hidden: torch.Tensor) -> torch.Tensor:
         """Raw next-token log probabilities, float32, for final-norm hidden states [..., D]."""
@@ -418,7 +425,7 @@ class LeanRunner:
         for slab in slabs:
             n = len(slab.rows)
             longest = max(r.length for r in slab.rows) + 1
-            read = min(slab.capacity, self.attention.aligned(longest))
+            read = min(slab.keys[0].shape[2], self.attention.aligned(longest))
             rows = None if n == count else slice(start, start + n)
             if all(r.length == longest - 1 for r in slab.rows):  # one copy, one mask
                 parts.append(SlabRows(slab.keys, slab.values, rows, n, None, None, read,
@@ -487,7 +494,7 @@ class LeanRunner:
         # prompt-only pass the step did not advance (paused for it) keeps its record (its hit, its columns)
         self.records = {g: r for g, r in self.records.items() if not (r.rows or r.prefill or r.tree)}
         self.cache = SlabCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device,
-                               max_len=self.cache.max_len, capacity=self.kv_positions)
+                               max_len=self.cache.max_len, capacity=self.kv_positions, positions=self._slab_positions)
 
     def is_consistent(self, running: list[SequenceGroup]) -> bool:
         """Whether the cache's bookkeeping is whole and holds exactly the running groups' rows, each where

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ..int4 import Int4Linear
+from .row_floors import onednn_product, product_for
 
 
 def packing_works(dtype, device) -> bool:
@@ -31,14 +32,22 @@ class Linear:
     """A weight [N, K] (and bias) of the lean runner. In bfloat16 on CPUs the weight is pre-packed once
     into oneDNN's blocked layout: the plain bfloat16 product repacks it on every call, which costs
     more than the product itself for a few rows (one-row products 1.9x, an 84-row one 1.5x, the
-    output head for one row 1.5x faster measured here). Same kernel, same numbers."""
+    output head for one row 1.5x faster measured here). Same kernel, same numbers.
 
-    __slots__ = ("weight", "bias", "packed", "int4")
+    In float32 on a CPU the product is the one that gives a row the same bits whatever the call's row
+    count (row_floors.product_for, measured once per shape): `F.linear` (MKL) where it does at every
+    count, else oneDNN's product of the plain weight, and a call of fewer rows than the product's floor
+    is padded with rows of zeros (`min_rows`)."""
+
+    __slots__ = ("weight", "bias", "packed", "int4", "onednn", "min_rows")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, int4: Int4Linear | None = None):
         self.weight, self.bias = weight, bias
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight) if pack else None
         self.int4 = int4  # the same matrix as 4-bit integers, for decode steps of few rows
+        self.onednn, self.min_rows = False, 1
+        if not pack and weight.dtype == torch.float32 and weight.device.type == "cpu":
+            self.onednn, self.min_rows = product_for(*weight.shape, torch.get_num_threads())
 
     @classmethod
     def of(cls, module, pack: bool, int4: Int4Linear | None = None) -> "Linear":
@@ -50,6 +59,16 @@ class Linear:
             return y if self.bias is None else y + self.bias
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        rows = x.numel() // x.shape[-1]
+        if rows < self.min_rows:  # padded to the floor of rows whose bits do not depend on the count
+            flat = x.reshape(rows, x.shape[-1])
+            y = self._product(torch.cat([flat, flat.new_zeros(self.min_rows - rows, flat.shape[1])]))
+            return y[:rows].view(*x.shape[:-1], y.shape[-1])
+        return self._product(x)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        if self.onednn and not torch.compiler.is_compiling():  # inductor lowers oneDNN's op for frozen weights only
+            return onednn_product(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
