@@ -6,7 +6,7 @@ some CPUs: MKL's `sgemm`, which `F.linear` and SDPA's CPU kernel call, takes oth
 counts on an AMD EPYC even in its strict reproducibility mode (on an Intel Xeon under that mode every
 row count gives the same bits). oneDNN's float32 product (`torch.ops.mkldnn._linear_pointwise` of the
 plain weight, no repacked copy) gives one class from 2 rows on there, and runs faster than MKL there
-at every row count. So the runner measures, once per process and per shape (about 0.4 s in all for
+at every row count. So the runner measures, once per process and per shape (0.4-0.7 s in all for
 SmolLM2 with 2 threads, most of it the head):
 
 - **products** (`product_for(n, k)`): the row floor of `F.linear` and of oneDNN's product for a weight
