@@ -8,7 +8,8 @@ The convention (the docs are written to it):
 * Its expected output is the next fenced block after it when that block's info string is ``text``;
   an example without one only has to exit 0.
 * The output is compared as doctest does, with ELLIPSIS and NORMALIZE_WHITESPACE (``...`` matches
-  anything, runs of whitespace are equal).
+  anything, runs of whitespace are equal); a decimal number shown matches one within one unit of its
+  last shown digit (``check_output``: the last bits of float32 sums differ between CPUs' kernels).
 * A program reads the server's address from LOGPROBE_URL (``http://127.0.0.1:8000`` when unset; bash:
   ``"${LOGPROBE_URL:-http://127.0.0.1:8000}"``). The runner sets it to the test server (no trailing
   slash), sets MPLBACKEND=Agg, drops OPENAI_API_KEY / OPENAI_BASE_URL (an example must not rely on the
@@ -29,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
+from decimal import ROUND_DOWN, ROUND_HALF_EVEN, Decimal, InvalidOperation
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -206,8 +208,61 @@ def collect(files: list[Path] | None = None) -> tuple[list[Example], list[str]]:
 # Running
 
 
+# A decimal number in an expected output: digits, thousands commas, a fractional part, maybe an exponent,
+# maybe followed by "..." (its digits were cut, not rounded). Not part of a dotted run ("127.0.0.1").
+_WANT_NUMBER = re.compile(r"(?<![\w.])(-?\d{1,3}(?:,\d{3})+\.\d+|-?\d+\.\d+)([eE][-+]?\d+)?(\.\.\.)?(?![\w]|\.\d)")
+_GOT_NUMBER = r"(-?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?)"
+
+
 def check_output(want: str, got: str) -> bool:
-    return doctest.OutputChecker().check_output(want, got, doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    """doctest's comparison (ELLIPSIS, NORMALIZE_WHITESPACE), or else the same text with each decimal
+    number in ``want`` matching a number within one unit of its last shown digit: ``-2.9738...``
+    (digits cut) matches what cuts to -2.9737 to -2.9739, ``11,640.5`` (rounded) what rounds to 11,640.4
+    to 11,640.6. The last bits of a float32 sum differ between CPUs' kernels (docs/development.md);
+    integers, text and the numbers' order are still compared exactly."""
+    if doctest.OutputChecker().check_output(want, got, doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE):
+        return True
+    return _numbers_near(want, got)
+
+
+def _numbers_near(want: str, got: str) -> bool:
+    pattern, shown = [], []
+    pos = 0
+    want = want.strip()
+    for m in _WANT_NUMBER.finditer(want):
+        pattern.append(_literal(want[pos:m.start()]))
+        pattern.append(_GOT_NUMBER)
+        shown.append(m)
+        pos = m.end()
+    if not shown:
+        return False
+    pattern.append(_literal(want[pos:]))
+    found = re.fullmatch("".join(pattern), got.strip(), re.DOTALL)
+    if found is None:
+        return False
+    return all(_near(m, value) for m, value in zip(shown, found.groups()))
+
+
+def _literal(text: str) -> str:
+    """doctest's reading of expected text as a regular expression: "..." anything, whitespace any run."""
+    parts = []
+    for i, piece in enumerate(text.split("...")):
+        if i:
+            parts.append(".*?")
+        parts.append(r"\s+".join(re.escape(w) for w in re.split(r"\s+", piece)))
+    return "".join(parts)
+
+
+def _near(m: re.Match, got: str) -> bool:
+    digits, exponent, cut = m.group(1), m.group(2) or "", m.group(3)
+    places = len(digits.split(".")[1]) - (int(exponent[1:]) if exponent else 0)
+    try:
+        value = Decimal(got.replace(",", ""))
+    except InvalidOperation:
+        return False
+    rounding = ROUND_DOWN if cut else ROUND_HALF_EVEN
+    units = (value.scaleb(places)).to_integral_value(rounding=rounding)
+    return abs(units - Decimal(digits.replace(",", "") + exponent).scaleb(places)) <= 1
 
 
 def example_env(base_url: str) -> dict[str, str]:
