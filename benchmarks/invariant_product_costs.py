@@ -12,7 +12,7 @@ products the lean runner uses today.
 Each product is timed alone, its weights in cache (a call repeated), the median of `--calls` calls.
 
     python benchmarks/invariant_product_costs.py [--threads 2] [--calls 20] [--hidden 576 --intermediate 1536
-                                                  --qkv 960 --vocab 49152]
+                                                  --qkv 960 --vocab 49152] [--rows 8,16,32,64,256,512]
 
 The defaults are SmolLM2-135M's shapes.
 """
@@ -48,7 +48,9 @@ def main() -> None:
     parser.add_argument("--intermediate", type=int, default=1536)
     parser.add_argument("--qkv", type=int, default=960)
     parser.add_argument("--vocab", type=int, default=49152)
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts, comma-separated")
     args = parser.parse_args()
+    rows_list = [int(r) for r in args.rows.split(",")]
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
     shapes = {"qkv": (args.qkv, args.hidden), "gate_up": (2 * args.intermediate, args.hidden),
@@ -68,7 +70,7 @@ def main() -> None:
             q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
             four = Int4Linear([Grid(q, torch.rand(n, k // 32, generator=gen) * 0.01,
                                     -torch.rand(n, k // 32, generator=gen) * 0.05)])
-        for rows in ROWS:
+        for rows in rows_list:
             x = torch.randn(rows, k, generator=gen).bfloat16()
             whole = median_ms(lambda: bf16(x), args.calls)
             pieces = median_ms(lambda: torch.cat([bf16(c) for c in x.split(32)]), args.calls)
