@@ -18,6 +18,7 @@ from ...backend import PositionColumns, SamplingParams
 from ..host.picks import Pick
 from .sampler import BatchSettings, sample_batch, sample_with_distribution
 from .steering import Steering, allowed_logmass, on_device
+from .top_k import top_k
 
 FEW_IDS = 16  # ranks by one comparison pass per id up to here, by one sort per row beyond (measured on 256
 # rows of 49,152: one pass 0.024 s, one sort 0.44 s)
@@ -73,7 +74,7 @@ def top_p_sets(logprob_rows: torch.Tensor, p: float, cap: int):
     sampling: a token is in when the mass before it is short of p), at most `cap` tokens:
     (ids [R, cap], log probabilities [R, cap], counts [R], masses [R], truncated [R])."""
     cap = min(cap, logprob_rows.shape[1])
-    values, ids = torch.topk(logprob_rows, cap, dim=1)  # the likeliest first
+    values, ids = top_k(logprob_rows, cap)  # the likeliest first (equal values: smaller id first)
     probs = values.exp()
     total = probs.cumsum(dim=1)
     counts = ((total - probs) < p).sum(dim=1).clamp(min=1)
@@ -163,7 +164,7 @@ def pick_with_instruments(logprob_rows: torch.Tensor, params: SamplingParams, se
         tokens, processed = sample_batch(scores, settings), None
     raw = logprob_rows.gather(1, tokens[:, None])[:, 0]
     if k:
-        top_values, top_ids = torch.topk(logprob_rows, k, dim=-1)
+        top_values, top_ids = top_k(logprob_rows, k)
     else:
         top_values = logprob_rows.new_zeros((num_rows, 0))
         top_ids = torch.zeros((num_rows, 0), dtype=torch.long, device=logprob_rows.device)
@@ -189,7 +190,7 @@ def processed_columns(processed: torch.Tensor, tokens: torch.Tensor, top_ids: to
     processed distribution's own k likeliest, which bias and masks reorder."""
     chosen = processed.gather(1, tokens[:, None])[:, 0]
     if own_top and k:
-        chosen_top, ids = torch.topk(processed, k, dim=-1)
+        chosen_top, ids = top_k(processed, k)
     else:
         chosen_top, ids = processed.gather(1, top_ids), None
     if params.logprobs_mode == "processed":

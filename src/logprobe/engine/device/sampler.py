@@ -32,6 +32,7 @@ import torch
 
 from ...backend import SamplingParams
 from ..host.random_streams import _GAMMA, _MASK  # SplitMix64's increment, and 64 bits
+from .top_k import top_k
 
 
 def _signed(value: int) -> int:
@@ -227,6 +228,6 @@ def pick(logprobs: torch.Tensor, settings: BatchSettings, k: int) -> torch.Tenso
     tokens = sample_batch(logprobs, settings)
     parts = [tokens[:, None].double(), logprobs.gather(1, tokens[:, None]).double()]
     if k:
-        values, ids = torch.topk(logprobs, k, dim=-1)
+        values, ids = top_k(logprobs, k)
         parts += [ids.double(), values.double()]
     return torch.cat(parts, dim=1)

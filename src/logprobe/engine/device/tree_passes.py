@@ -16,6 +16,7 @@ from ...backend import SamplingParams, TreeShape
 from .instruments import entropy_of, ranks_of
 from .sampler import BatchSettings, filtered_scores
 from .steering import Steering, conflict_at, steered_distributions
+from .top_k import top_k
 from ..host.tree import Children, TreeGroup
 
 def grow_tree(runner, tree: TreeGroup, new_grammar_state=None, hit=None) -> None:
@@ -81,7 +82,7 @@ def children_of(raw: torch.Tensor, params: SamplingParams, shape: TreeShape, mas
     probabilities and ranks, and the raw distribution's entropy. One device-to-host copy."""
     processed = processed_rows(raw, params, masks)
     k = min(shape.branches, raw.shape[-1])
-    top, ids = torch.topk(processed, k, dim=-1)  # the likeliest first
+    top, ids = top_k(processed, k)  # the likeliest first (equal values: smaller id first)
     keep = top > float("-inf")
     if shape.branch_p is not None:
         probs = top.exp()

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from ..device.instruments import count_greater, fill_prompt_extras, new_prompt_extras
+from ..device.top_k import top_k
 from .interventions import Edits
 from ..host.request import PromptColumns, SamplingParams
 
@@ -104,7 +105,7 @@ class PromptColumnWriter:
                 cols.full_ranks[start + 1:stop + 1] = vocab_ranks(logprobs).cpu().numpy()
             cols.ranks[start + 1:stop + 1] = (count_greater(logprobs, target_lp) + 1).cpu().numpy()
             if k:
-                vals, idx = torch.topk(logprobs, k, dim=1)
+                vals, idx = top_k(logprobs, k)
                 cols.top_ids[start + 1:stop + 1] = idx.cpu().numpy()
                 cols.top_logprobs[start + 1:stop + 1] = vals.cpu().numpy()
             if cols.extras is not None:
