@@ -5,29 +5,54 @@ values straddle the k-th place).
 `torch.topk` alone leaves equal values in an order of its own, which on a CPU moves with the number of
 rows in the call: a row's `top_logprobs` ids then depended on what decoded beside it (seen in bfloat16,
 where ties among 49,152 log probabilities are common; float32 rows can tie too, wherever two logits
-are equal). Ties are rare in float32, so the common call is `torch.topk` plus one pass that finds the
-rows it could have ordered otherwise; only then is the order made (`_settled`: top-ks over the entries
-above and equal to the k-th value, and a sort of the k). On a GPU and inside torch.compile, where a
-branch on the data would cost a transfer or cannot run, the order is always made."""
+are equal). So the call asks `torch.topk` for 8 more than k and orders those by value and then id; only
+a row whose last one still equals the k-th value (more than 8 ties there) is ordered from all of its
+entries at least the k-th value (`_settled_from`). On a GPU and inside torch.compile, where a branch on
+the data would cost a transfer or cannot run, the order is made with fixed shapes (`_settled`: top-ks
+over the entries above and equal to the k-th value, and a sort of the k)."""
 
 from __future__ import annotations
 
 import torch
 
+EXTRA = 8  # entries asked of torch.topk past the k: equal values at the k-th place are mostly among them
+
 
 def top_k(rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, ids), each [..., k], of the k largest entries of each row of `rows` ([..., V]): largest
     first, equal values by ascending id, the smallest ids kept of those equal to the k-th value."""
-    values, ids = torch.topk(rows, k, dim=-1)
-    if k == 0:
-        return values, ids
-    if not reads_on_host(rows):
-        return _settled(rows, values, k)
-    kth = values[..., -1:]
-    tied = ((rows >= kth).sum(dim=-1) > k) | (values[..., 1:] == values[..., :-1]).any(dim=-1)
-    if not bool(tied.any()):
-        return values, ids
-    return _settled(rows, values, k)
+    vocab = rows.shape[-1]
+    if k == 0 or not reads_on_host(rows):
+        values, ids = torch.topk(rows, k, dim=-1)
+        return (values, ids) if k == 0 else _settled(rows, values, k)
+    flat = rows.reshape(-1, vocab)
+    more, more_ids = torch.topk(flat, min(k + EXTRA, vocab), dim=-1)
+    # every entry equal to the k-th value is among these where the last of them is below it: then the
+    # k are the first of these by value and then id (sorted by id, then stably by value)
+    by_id = torch.sort(more_ids, dim=-1).indices
+    more, more_ids = more.gather(-1, by_id), more_ids.gather(-1, by_id)
+    by_value = torch.sort(more, dim=-1, descending=True, stable=True).indices[:, :k]
+    values, ids = more.gather(-1, by_value), more_ids.gather(-1, by_value)
+    if k + EXTRA < vocab and bool((overflow := more.min(dim=-1).values == values[:, -1]).any()):
+        # entries equal to the k-th value may lie past the k + EXTRA: those rows' order from the whole rows
+        which = overflow.nonzero()[:, 0]
+        sub = flat[which]
+        candidates = sub >= values[which, k - 1:]
+        values[which], ids[which] = _settled_from(sub, candidates, candidates.sum(dim=-1), k)
+    return values.reshape(*rows.shape[:-1], k), ids.reshape(*rows.shape[:-1], k)
+
+
+def _settled_from(rows: torch.Tensor, candidates: torch.Tensor, counts: torch.Tensor, k: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`top_k`'s order for rows [R, V] made from their candidates (a mask of the entries at least the k-th
+    value: few), taken in ascending id order, sorted by value with a stable sort, the first k kept."""
+    where = candidates.nonzero()  # (row, id), by row and then ascending id
+    values = rows[where[:, 0], where[:, 1]]
+    order = torch.sort(values, descending=True, stable=True).indices  # equal values keep ascending ids
+    order = order[torch.sort(where[order, 0], stable=True).indices]  # by row again, each row's order kept
+    starts = torch.cumsum(counts, 0) - counts
+    take = order[(starts[:, None] + torch.arange(k, device=rows.device)).reshape(-1)]
+    return values[take].reshape(-1, k), where[take, 1].reshape(-1, k)
 
 
 def reads_on_host(rows: torch.Tensor) -> bool:
