@@ -272,12 +272,13 @@ class Attention:
         """The positions to hold for rows of up to `capacity` whose reads stop at the buffer's end (a row
         reads `aligned` of the longest row beside it, cut there): positions a read of which gives a
         query the bits of every longer read, the capacity where it is one (whole KEY_VECTORs, its last
-        block of keys within the short block or whole); else whole KEY_VECTORs below READ_ALIGN, and
-        `aligned(capacity)` from it."""
+        block of keys within the short block or whole), READ_ALIGN below it (an AMD EPYC with 2 threads
+        gave a query of head size 256 other bits in a read of 16 keys than in longer ones), else
+        `aligned(capacity)`."""
+        if capacity < self.READ_ALIGN:  # a read of 16 keys of head size 256 took another path with 2 threads
+            return self.READ_ALIGN
         if capacity % self.KEY_VECTOR == 0 and capacity % self.KV_BLOCK <= self.short_block:
             return capacity
-        if capacity < self.READ_ALIGN:
-            return -(-capacity // self.KEY_VECTOR) * self.KEY_VECTOR
         return self.aligned(capacity)
 
     def aligned(self, length: int) -> int:

@@ -14,11 +14,14 @@ SmolLM2 with 2 threads, most of it the head):
   (1 to 130; the row first, in the middle and last). `F.linear` is taken where its floor is 1;
   otherwise the one with the lower floor (oneDNN where they tie). `Linear` pads a call of fewer rows
   than the floor with rows of zeros;
-- **attention's query floor** (`query_floor(d, dtype)`): the fewest queries a block of SDPA's CPU
+- **attention's query floor** (`query_floor(d, dtype)`; for bfloat16 at least the float32 floor: the
+  kernel sums in float32 whatever the inputs, and rounding its output to bfloat16 hides most of the
+  differences from a short probe, not all: a decode query of SmolLM2's shape at position 253 came out
+  otherwise alone than among 4 on an AMD EPYC): the fewest queries a block of SDPA's CPU
   kernel needs for a query's bits not to depend on the others (`Attention` pads a call's queries so
   that every block of the kernel's query split holds that many: `padded_queries`);
-- **attention's short block** (`short_block(d, dtype)`): the longest last block of keys that gives a
-  query the bits of a whole block of 512 (`Attention.aligned` reads on to 512 past it).
+- **attention's short block** (`short_block(d, dtype)`; for bfloat16 at most the float32 one, as
+  above): the longest last block of keys that gives a query the bits of a whole block of 512 (`Attention.aligned` reads on to 512 past it).
 
 The probes are deterministic (the same machine, torch and thread count choose the same), so a server
 restarted on the same machine gives the same bits. `python benchmarks/row_invariance.py` prints the
@@ -113,7 +116,9 @@ def query_floor(d: int, dtype: torch.dtype, threads: int | None = None) -> int:
     if floor is None:
         log.warning("SDPA's CPU kernel gives a query other bits with the queries beside it on this CPU "
                     "(head size %d, %s; docs/performance.md)", d, dtype)
-        return 1
+        floor = 1
+    if dtype != torch.float32:  # the kernel sums in float32 either way: its float32 floor holds too
+        floor = max(floor, query_floor(d, torch.float32, threads))
     return floor
 
 
@@ -159,4 +164,6 @@ def short_block(d: int, dtype: torch.dtype, threads: int | None = None, longest:
                     if not torch.equal(*outs):
                         longest = block - 64
                         break
+    if dtype != torch.float32:  # as in query_floor: the float32 probe's shorter block holds too
+        longest = min(longest, short_block(d, torch.float32, threads, longest))
     return max(longest, 64)

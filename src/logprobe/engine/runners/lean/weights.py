@@ -28,6 +28,9 @@ def packing_works(dtype, device) -> bool:
         return False
 
 
+PACKED_MIN_ROWS = 2  # the fewest rows a packed bfloat16 product is called with (Linear)
+
+
 class Linear:
     """A weight [N, K] (and bias) of the lean runner. In bfloat16 on CPUs the weight is pre-packed once
     into oneDNN's blocked layout: the plain bfloat16 product repacks it on every call, which costs
@@ -37,7 +40,10 @@ class Linear:
     In float32 on a CPU the product is the one that gives a row the same bits whatever the call's row
     count (row_floors.product_for, measured once per shape): `F.linear` (MKL) where it does at every
     count, else oneDNN's product of the plain weight, and a call of fewer rows than the product's floor
-    is padded with rows of zeros (`min_rows`)."""
+    is padded with rows of zeros (`min_rows`). The packed bfloat16 product is padded to 2 rows
+    (`PACKED_MIN_ROWS`): on an AMD EPYC a row of SmolLM2's `down_proj` came out 1 bfloat16 unit apart
+    in a call of 1 row and in calls of 2 to 300, real activations whose rare difference random probes
+    did not show (docs/performance.md)."""
 
     __slots__ = ("weight", "bias", "packed", "int4", "onednn", "min_rows")
 
@@ -48,6 +54,8 @@ class Linear:
         self.onednn, self.min_rows = False, 1
         if not pack and weight.dtype == torch.float32 and weight.device.type == "cpu":
             self.onednn, self.min_rows = product_for(*weight.shape, torch.get_num_threads())
+        elif pack:  # oneDNN's packed bfloat16 product gave a row of 1 other bits than in calls of 2 or more
+            self.min_rows = PACKED_MIN_ROWS
 
     @classmethod
     def of(cls, module, pack: bool, int4: Int4Linear | None = None) -> "Linear":
@@ -57,8 +65,6 @@ class Linear:
         if few_rows and self.int4 is not None:
             y = self.int4(x)
             return y if self.bias is None else y + self.bias
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         rows = x.numel() // x.shape[-1]
         if rows < self.min_rows:  # padded to the floor of rows whose bits do not depend on the count
             flat = x.reshape(rows, x.shape[-1])
@@ -67,6 +73,8 @@ class Linear:
         return self._product(x)
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.onednn and not torch.compiler.is_compiling():  # inductor lowers oneDNN's op for frozen weights only
             return onednn_product(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
