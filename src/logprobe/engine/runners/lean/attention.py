@@ -108,17 +108,20 @@ class Attention:
     """Scaled dot-product attention of every layer, and the masks a pass's prepare step makes for it."""
 
     def __init__(self, windows: list[int | None], scale: float, num_heads: int, kv_heads: int, dtype, device,
-                 head_dim: int | None = None):
+                 head_dim: int | None = None, strict: bool = True):
         """`head_dim`: the size of a head, whose kernel's last short block of keys is measured on a CPU
-        (row_floors.short_block; None: SHORT_BLOCK)."""
+        (row_floors.short_block; None: SHORT_BLOCK). `strict`: a bfloat16 pass keeps to the float32
+        probes' floors too (row_floors.query_floor), which a runner whose numbers move anyway (4-bit
+        decode weights) does not pay for."""
         self.windows = windows  # per layer: its sliding window, or None (full attention)
         self.window_sizes = sorted({w for w in windows if w is not None})
         self.scale, self.num_heads, self.kv_heads = scale, num_heads, kv_heads
         self.group = num_heads // kv_heads  # query heads per key/value head
         self.dtype, self.device = dtype, device
         self.floors: dict[tuple, int] = {}  # (head size, dtype) -> the kernel's query floor (`query_floor`)
+        self.strict = strict
         self.short_block = self.SHORT_BLOCK if head_dim is None or torch.device(device).type != "cpu" else \
-            short_block(head_dim, dtype, torch.get_num_threads(), self.SHORT_BLOCK)
+            short_block(head_dim, dtype, torch.get_num_threads(), self.SHORT_BLOCK, strict)
 
     def query_floor(self, q: torch.Tensor) -> int:
         """The fewest queries a block of SDPA's CPU kernel holds for a query's bits not to depend on the
@@ -126,7 +129,8 @@ class Attention:
         key = (q.shape[-1], q.dtype)
         floor = self.floors.get(key)
         if floor is None:
-            floor = self.floors[key] = query_floor(*key, torch.get_num_threads()) if q.device.type == "cpu" else 1
+            floor = self.floors[key] = query_floor(*key, torch.get_num_threads(), self.strict) \
+                if q.device.type == "cpu" else 1
         return floor
 
     # How far a pass reads keys: SDPA's CPU kernel sums whole vectors of keys and then a scalar tail, takes

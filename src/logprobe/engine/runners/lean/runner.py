@@ -76,13 +76,13 @@ class LeanRunner:
         # per layer: None or its sliding window (one as long as the context masks nothing: a full layer)
         self.windows = [w if w is not None and w < max_len else None for w in windows]
         self.attention = Attention(self.windows, family.attention_scale(), self.num_heads, self.kv_heads,
-                                   self.dtype, self.device, head_dim=self.head_dim)
+                                   self.dtype, self.device, head_dim=self.head_dim, strict=not self.int4)
         if self.device.type == "cpu" and not Attention.invariant_kernels():
             log.warning("torch %s: a request's numbers may differ in the last bits with what runs beside it "
                         "(batch invariance needs torch >= %s on a CPU: docs/performance.md)", torch.__version__,
                         ".".join(map(str, Attention.INVARIANT_TORCH)))
         self.final_norm = family.final_norm()
-        self.head = Linear.of(lm_head, self.packed)
+        self.head = Linear.of(lm_head, self.packed, strict=not self.int4)  # (Linear: padding a call of 1 row)
         if release is not None:
             released += release((self.head,), model)
             log.info("lean runner: %.0f MB of transformers' weights released (kept once, packed for oneDNN)",

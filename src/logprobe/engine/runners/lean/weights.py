@@ -43,23 +43,25 @@ class Linear:
     is padded with rows of zeros (`min_rows`). The packed bfloat16 product is padded to 2 rows
     (`PACKED_MIN_ROWS`): on an AMD EPYC a row of SmolLM2's `down_proj` came out 1 bfloat16 unit apart
     in a call of 1 row and in calls of 2 to 300, real activations whose rare difference random probes
-    did not show (docs/performance.md)."""
+    did not show (docs/performance.md); not where the numbers move anyway (`strict` False, by default
+    where the matrix has a 4-bit form: `--quantization int4`)."""
 
     __slots__ = ("weight", "bias", "packed", "int4", "onednn", "min_rows")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, int4: Int4Linear | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, int4: Int4Linear | None = None,
+                 strict: bool | None = None):
         self.weight, self.bias = weight, bias
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight) if pack else None
         self.int4 = int4  # the same matrix as 4-bit integers, for decode steps of few rows
         self.onednn, self.min_rows = False, 1
         if not pack and weight.dtype == torch.float32 and weight.device.type == "cpu":
             self.onednn, self.min_rows = product_for(*weight.shape, torch.get_num_threads())
-        elif pack:  # oneDNN's packed bfloat16 product gave a row of 1 other bits than in calls of 2 or more
-            self.min_rows = PACKED_MIN_ROWS
+        elif pack and (int4 is None if strict is None else strict):
+            self.min_rows = PACKED_MIN_ROWS  # a row of 1 took other bits than in calls of 2 or more
 
     @classmethod
-    def of(cls, module, pack: bool, int4: Int4Linear | None = None) -> "Linear":
-        return cls(module.weight, module.bias, pack, int4)
+    def of(cls, module, pack: bool, int4: Int4Linear | None = None, strict: bool | None = None) -> "Linear":
+        return cls(module.weight, module.bias, pack, int4, strict)
 
     def __call__(self, x: torch.Tensor, few_rows: bool = False) -> torch.Tensor:
         if few_rows and self.int4 is not None:
