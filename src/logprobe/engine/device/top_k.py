@@ -69,10 +69,10 @@ def _settled(rows: torch.Tensor, values: torch.Tensor, k: int) -> tuple[torch.Te
     kth = values[..., -1:]
     above = (values > kth).sum(dim=-1, keepdim=True)  # entries strictly above the k-th value: all kept
     positions = torch.arange(vocab, device=rows.device, dtype=torch.float32)  # ids below 2**24: exact
-    never = torch.tensor(float("-inf"), device=rows.device)
 
+    # (a Python scalar, not a tensor made from one: that would copy to a GPU, which a CUDA graph's capture refuses)
     def smallest_ids(where: torch.Tensor) -> torch.Tensor:  # the k smallest ids where `where` holds, ascending
-        found = torch.topk(torch.where(where, -positions, never), k, dim=-1).values.neg()
+        found = torch.topk(torch.where(where, -positions, float("-inf")), k, dim=-1).values.neg()
         return found.clamp(max=vocab - 1).long()  # (past the matches: +inf, never read)
 
     above_ids, tied_ids = smallest_ids(rows > kth), smallest_ids(rows == kth)
