@@ -115,8 +115,10 @@ def _counters(vocab: int, device) -> torch.Tensor:
 
 
 def _shr(z: torch.Tensor, bits: int) -> torch.Tensor:
-    """Logical shift right of 64-bit patterns held in int64 (torch shifts arithmetically)."""
-    return (z >> bits) & ((1 << (64 - bits)) - 1)
+    """Logical shift right of 64-bit patterns held in int64 (torch shifts arithmetically), in one new
+    tensor (these are [B, V]: on a CPU a temporary of that size costs as much as the operation)."""
+    shifted = z >> bits
+    return shifted.bitwise_and_((1 << (64 - bits)) - 1)
 
 
 def _mixed(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -168,7 +170,7 @@ def filtered_scores(logprobs: torch.Tensor, settings: BatchSettings) -> torch.Te
     temperature, with the tokens top-k and top-p leave out at -inf. Their softmax is the sampling
     distribution. (Greedy rows get their raw scores: they are not drawn.)"""
     # the likeliest token's score is 0, never -inf
-    scores = (logprobs - logprobs.max(dim=-1, keepdim=True).values) / settings.temperature
+    scores = (logprobs - logprobs.max(dim=-1, keepdim=True).values).div_(settings.temperature)
     if settings.top_k is not None:
         kept = torch.topk(scores, settings.max_top_k, dim=-1).values
         kth = kept.gather(-1, (settings.top_k - 1).clamp(min=0))
@@ -190,7 +192,7 @@ def draw(scores: torch.Tensor, settings: BatchSettings) -> torch.Tensor:
     """[B] int64: one token per row from softmax(scores): the largest probability over its exponential
     random number E. `scores` have their largest at 0 (`filtered_scores`), so exp(scores) is the
     probability times a factor of the row, which changes no choice; over -E it is the most negative."""
-    return torch.argmin(torch.exp(scores) / _log_uniform(settings.seeds, scores.shape[-1]), dim=-1)
+    return torch.argmin(torch.exp(scores).div_(_log_uniform(settings.seeds, scores.shape[-1])), dim=-1)
 
 
 def sample_batch(logprobs: torch.Tensor, settings: BatchSettings) -> torch.Tensor:
