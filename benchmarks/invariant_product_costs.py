@@ -1,13 +1,14 @@
-"""What same-bits bfloat16 and int4 products would cost (docs/performance.md, "The same bits beside
-other requests"): two ways to give a row the same bits whatever its call holds, timed against the
-products the lean runner uses today.
+"""What same-bits bfloat16 and int4 products cost (docs/performance.md, "The same bits beside other
+requests"): two ways to give a row the same bits whatever its call holds, timed against the bfloat16
+product.
 
 - bfloat16: oneDNN's pre-packed product takes another path for calls of 33-600 rows
   (benchmarks/row_invariance.py); run in pieces of 32 rows it would always take the 1-32 path. Printed:
   one call of M rows, then the same rows as pieces of 32, and their ratio.
-- int4: the 4-bit kernel is row-invariant, but a decode step of more than 8 rows reads the bfloat16
-  weights today; reading the 4-bit ones at every row count would make a row's numbers independent of
-  the step. Printed: the 4-bit kernel's time at the same M (decode row counts only).
+- int4: the 4-bit kernel is row-invariant, so every decode row reads the 4-bit weights whatever the
+  step holds (`--quantization int4`; a decode step of more than 8 rows once read the bfloat16 ones).
+  Printed: the 4-bit kernel's time at the same M (decode row counts only), against the bfloat16
+  product's, which the step would otherwise take.
 
 Each product is timed alone, its weights in cache (a call repeated), the median of `--calls` calls.
 

@@ -318,7 +318,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--quantization", default="none", choices=["none", "int4"],
-                    help="logprobe's --quantization (int4: 4-bit weights for decode steps of few rows)")
+                    help="logprobe's --quantization (int4: 4-bit weights for decode steps)")
     ap.add_argument("--model", default="smollm2-135m", choices=["smollm2-135m", "gemma3-270m"])
     ap.add_argument("--skip-llama", action="store_true")
     ap.add_argument("--skip-startup", action="store_true")

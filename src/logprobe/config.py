@@ -201,9 +201,9 @@ def _add_serve(serve: argparse.ArgumentParser) -> None:
                        help="the weights' and activations' type (auto: the checkpoint's; default float32)")
     serve.add_argument("--device", default=env_default("device", s.device), help="cpu, cuda or cuda:N")
     serve.add_argument("--quantization", choices=["none", "int4"], default=env_default("quantization", s.quantization),
-                       help="int4: decode steps of up to 8 rows read the model's own 4-bit weights (a Q4_0/Q4_1 "
-                            "GGUF, such as the bundled model) with bfloat16 products: ~2x one stream's speed, "
-                            "bfloat16-sized errors; prompt passes stay on --dtype (CPU only)")
+                       help="int4: decode steps read the model's own 4-bit weights (a Q4_0/Q4_1 GGUF, such as "
+                            "the bundled model) with bfloat16 products: ~2x one stream's speed, bfloat16-sized "
+                            "errors; prompt passes stay on --dtype (CPU only)")
     serve.add_argument("--max-model-len", type=int, default=env_default("max_model_len", s.max_model_len),
                        metavar="TOKENS", help="serve a shorter context than the model's (prompt + generated "
                        "tokens; 0: the model's own)")

@@ -440,7 +440,7 @@ def test_bfloat16_keeps_each_weight_once(kind, models, tokenizer, monkeypatch):
 @pytest.mark.skipif(not int4.available(), reason="no CPU int4 kernel in this torch")
 @pytest.mark.parametrize("kind", ["gemma3", "qwen3"])
 def test_int4_decode(kind, models, tokenizer, reference_of):
-    """`--quantization int4` on a family with Llama's projection names: decode steps of few rows read the
+    """`--quantization int4` on a family with Llama's projection names: decode steps read the
     4-bit grids (bfloat16-sized differences), prefill stays float32 (exact)."""
     model = copy.deepcopy(models(kind)[0])
     gen = torch.Generator().manual_seed(3)

@@ -30,7 +30,7 @@ class ModelInfo:
     adds_bos: bool
     has_chat_template: bool
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
-    quantization: str | None = None  # "int4": decode steps of few rows read 4-bit weights
+    quantization: str | None = None  # "int4": decode steps read 4-bit weights
     runner: str = "transformers"  # "lean": logprobe's own batched forward; "transformers": the model's own
 
 

@@ -17,8 +17,8 @@ engine's pick (or `sampler.pick` inside the fixed-shape step).
 * fixed_shape.py: on a GPU, a batch held in one size class runs a decode step of fixed shapes, recorded
   once as a CUDA graph per batch size, class and span and replayed.
 * weights.py: each block's weights (`BlockWeights`); in bfloat16 every projection and the head pre-packed
-  for oneDNN once (same numbers as the plain product); `--quantization int4`: decode steps of up to
-  `LeanRunner.INT4_MAX_ROWS` rows use the model's own 4-bit weights (int4.py).
+  for oneDNN once (same numbers as the plain product); `--quantization int4`: every decode row reads
+  the model's own 4-bit weights (int4.py), every prompt row the dense ones.
 
 Numbers are the same computation as transformers' (same modules, same RoPE, same masks up to padding),
 checked against a float64 forward of transformers' own implementation in the tests.

@@ -98,7 +98,9 @@ class PassMeta:
     read: int | None = None  # key positions read, zeros past those held (ChunkKV: each chunk's own)
     slabs: list[SlabRows] | None = None  # a decode step: its rows slab by slab (then `masks` is unused)
     keep: Callable | None = None  # keep(layer, k, v) sees every layer's keys and values (prefix cache)
-    few_rows: bool = False  # a decode step small enough for the 4-bit weights
+    # with 4-bit weights loaded, how many of the pass's first rows are decode rows, which read them
+    # (`Linear`): every decode row, whatever the step's row count; prompt rows read the dense weights
+    int4_rows: int = 0
     # a decode step and prompt chunks in one pass, packed in one row: its first `split` tokens are the
     # decode rows (attention through `slabs`), the rest the chunks (through `kv` and `masks`)
     split: int | None = None
@@ -108,20 +110,18 @@ class Attention:
     """Scaled dot-product attention of every layer, and the masks a pass's prepare step makes for it."""
 
     def __init__(self, windows: list[int | None], scale: float, num_heads: int, kv_heads: int, dtype, device,
-                 head_dim: int | None = None, strict: bool = True):
+                 head_dim: int | None = None):
         """`head_dim`: the size of a head, whose kernel's last short block of keys is measured on a CPU
-        (row_floors.short_block; None: SHORT_BLOCK). `strict`: a bfloat16 pass keeps to the float32
-        probes' floors too (row_floors.query_floor), which a runner whose numbers move anyway (4-bit
-        decode weights) does not pay for."""
+        (row_floors.short_block; None: SHORT_BLOCK). A bfloat16 pass keeps to the float32 probes' floors
+        too (row_floors.query_floor)."""
         self.windows = windows  # per layer: its sliding window, or None (full attention)
         self.window_sizes = sorted({w for w in windows if w is not None})
         self.scale, self.num_heads, self.kv_heads = scale, num_heads, kv_heads
         self.group = num_heads // kv_heads  # query heads per key/value head
         self.dtype, self.device = dtype, device
         self.floors: dict[tuple, int] = {}  # (head size, dtype) -> the kernel's query floor (`query_floor`)
-        self.strict = strict
         self.short_block = self.SHORT_BLOCK if head_dim is None or torch.device(device).type != "cpu" else \
-            short_block(head_dim, dtype, torch.get_num_threads(), self.SHORT_BLOCK, strict)
+            short_block(head_dim, dtype, torch.get_num_threads(), self.SHORT_BLOCK)
 
     def query_floor(self, q: torch.Tensor) -> int:
         """The fewest queries a block of SDPA's CPU kernel holds for a query's bits not to depend on the
@@ -129,7 +129,7 @@ class Attention:
         key = (q.shape[-1], q.dtype)
         floor = self.floors.get(key)
         if floor is None:
-            floor = self.floors[key] = query_floor(*key, torch.get_num_threads(), self.strict) \
+            floor = self.floors[key] = query_floor(*key, torch.get_num_threads()) \
                 if q.device.type == "cpu" else 1
         return floor
 

@@ -103,7 +103,7 @@ class FixedShapeSteps:
         batch, read = ids.shape[0], span or keys[0].shape[2]
         rows = SlabRows(keys, values, None, batch, positions, torch.arange(batch, device=runner.device), read,
                         runner.attention.decode_views(positions, read))
-        meta = PassMeta(positions[:, None], slabs=[rows], few_rows=runner.int4 and batch <= runner.INT4_MAX_ROWS)
+        meta = PassMeta(positions[:, None], slabs=[rows], int4_rows=batch if runner.int4 else 0)
         logprobs = runner.logprobs_of(runner.forward(ids, meta)[:, -1])
         if picking is None:
             return logprobs, None

@@ -19,8 +19,7 @@ SmolLM2 with 2 threads, most of it the head):
   that every block of the kernel's query split holds that many: `padded_queries`). For bfloat16, at
   least the float32 floor: the kernel sums in float32 whatever its inputs, and rounding its output to
   bfloat16 hides most of its other paths from a short probe, not all (a decode query of SmolLM2's
-  shape at position 253 came out otherwise alone than among 4 on an AMD EPYC). `strict=False` keeps
-  the bfloat16 probe's own, where the numbers move anyway (4-bit decode weights);
+  shape at position 253 came out otherwise alone than among 4 on an AMD EPYC);
 - **attention's short block** (`short_block(d, dtype)`): the longest last block of keys that gives a
   query the bits of a whole block of 512 (`Attention.aligned` reads on to 512 past it); for bfloat16
   at most the float32 one, as above.
@@ -102,7 +101,7 @@ def product_for(n: int, k: int, threads: int | None = None) -> tuple[bool, int]:
 
 
 @functools.cache
-def query_floor(d: int, dtype: torch.dtype, threads: int | None = None, strict: bool = True) -> int:
+def query_floor(d: int, dtype: torch.dtype, threads: int | None = None) -> int:
     """The fewest query rows a block of SDPA's CPU kernel needs for a query's bits not to depend on the
     others in it: 1 where every count gives the same bits; 4 for SmolLM2's head size on an AMD EPYC,
     whose products take the rows of a call of 1 and of 2-3 other ways. Probed in calls of up to 32
@@ -119,7 +118,7 @@ def query_floor(d: int, dtype: torch.dtype, threads: int | None = None, strict: 
         log.warning("SDPA's CPU kernel gives a query other bits with the queries beside it on this CPU "
                     "(head size %d, %s; docs/performance.md)", d, dtype)
         floor = 1
-    if strict and dtype != torch.float32:  # the kernel sums in float32 either way: its float32 floor holds too
+    if dtype != torch.float32:  # the kernel sums in float32 either way: its float32 floor holds too
         floor = max(floor, query_floor(d, torch.float32, threads))
     return floor
 
@@ -143,8 +142,7 @@ def padded_queries(length: int, floor: int) -> int:
 
 
 @functools.cache
-def short_block(d: int, dtype: torch.dtype, threads: int | None = None, longest: int = 256,
-                strict: bool = True) -> int:
+def short_block(d: int, dtype: torch.dtype, threads: int | None = None, longest: int = 256) -> int:
     """The longest last block of keys (a multiple of 64, `longest` at most) over which a query's output
     of SDPA's CPU kernel has the bits it has over a block of 512 (the kernel's key split), the keys past
     its position masked, in calls of the kernel's query floor and of 32 queries: 256 on an Intel Xeon
@@ -153,7 +151,7 @@ def short_block(d: int, dtype: torch.dtype, threads: int | None = None, longest:
     to the next 512 past it."""
     gen = torch.Generator().manual_seed(d + 1)
     keys, values = (torch.randn(1, 1, 512, d, generator=gen).to(dtype) for _ in range(2))
-    floor = query_floor(d, dtype, threads, strict)
+    floor = query_floor(d, dtype, threads)
     with torch.inference_mode():
         for rows in sorted({floor, 32}):
             q = torch.randn(1, 1, rows, d, generator=gen).to(dtype)
@@ -167,6 +165,6 @@ def short_block(d: int, dtype: torch.dtype, threads: int | None = None, longest:
                     if not torch.equal(*outs):
                         longest = block - 64
                         break
-    if strict and dtype != torch.float32:  # as in query_floor: the float32 probe's shorter block holds too
+    if dtype != torch.float32:  # as in query_floor: the float32 probe's shorter block holds too
         longest = min(longest, short_block(d, torch.float32, threads, longest))
     return max(longest, 64)

@@ -48,7 +48,6 @@ class LeanRunner:
 
     PREFILL_CHUNK = 512  # prompt tokens per engine step while other requests are decoding
     interleaves = True  # a prompt-only pass yields between its blocks: the engine's steps advance it (`prompt_pass`)
-    INT4_MAX_ROWS = 8  # decode steps of up to this many rows read the 4-bit weights (when loaded)
     RELEASE_PACKED = True  # see weights.release_packed; tests turn it off to compare with an engine that keeps both
 
     def __init__(self, model, int4_grids: dict | None = None, max_len: int | None = None, kv_positions: int = 256,
@@ -76,13 +75,13 @@ class LeanRunner:
         # per layer: None or its sliding window (one as long as the context masks nothing: a full layer)
         self.windows = [w if w is not None and w < max_len else None for w in windows]
         self.attention = Attention(self.windows, family.attention_scale(), self.num_heads, self.kv_heads,
-                                   self.dtype, self.device, head_dim=self.head_dim, strict=not self.int4)
+                                   self.dtype, self.device, head_dim=self.head_dim)
         if self.device.type == "cpu" and not Attention.invariant_kernels():
             log.warning("torch %s: a request's numbers may differ in the last bits with what runs beside it "
                         "(batch invariance needs torch >= %s on a CPU: docs/performance.md)", torch.__version__,
                         ".".join(map(str, Attention.INVARIANT_TORCH)))
         self.final_norm = family.final_norm()
-        self.head = Linear.of(lm_head, self.packed, strict=not self.int4)  # (Linear: padding a call of 1 row)
+        self.head = Linear.of(lm_head, self.packed)  # (Linear: padding a call of 1 row)
         if release is not None:
             released += release((self.head,), model)
             log.info("lean runner: %.0f MB of transformers' weights released (kept once, packed for oneDNN)",
@@ -144,8 +143,8 @@ class LeanRunner:
         b, t = shape
         heads, kv_heads, d = self.num_heads, self.kv_heads, self.head_dim
         q_size, qk_size = heads * d, (heads + kv_heads) * d
-        few = meta.few_rows
-        qkv = block.qkv(block.input_norm(x), few)
+        int4_rows = meta.int4_rows
+        qkv = block.qkv(block.input_norm(x), int4_rows)
         qk = qkv[:, :qk_size].view(b, t, heads + kv_heads, d)
         if block.qk_norm is not None:
             qk = block.qk_norm(qk)
@@ -154,10 +153,10 @@ class LeanRunner:
         q = qk[:, :, :heads].transpose(1, 2)  # [B, H, T, d]
         k = qk[:, :, heads:].transpose(1, 2)  # [B, KV, T, d]
         v = qkv[:, qk_size:].view(b, t, kv_heads, d).transpose(1, 2)
-        out = block.o_proj(self.attention(layer, q, k, v, meta).transpose(1, 2).reshape(b * t, q_size), few)
+        out = block.o_proj(self.attention(layer, q, k, v, meta).transpose(1, 2).reshape(b * t, q_size), int4_rows)
         x = x + (out if block.post_attn_norm is None else block.post_attn_norm(out))
-        gate, up = block.gate_up(block.pre_ff_norm(x), few).chunk(2, dim=-1)
-        out = block.down_proj(block.act(gate) * up, few)
+        gate, up = block.gate_up(block.pre_ff_norm(x), int4_rows).chunk(2, dim=-1)
+        out = block.down_proj(block.act(gate) * up, int4_rows)
         x = x + (out if block.post_ff_norm is None else block.post_ff_norm(out))
         if edit is not None:
             x = edit(layer + 1, x.view(b, t, -1), meta.positions).reshape(b * t, -1)
@@ -376,8 +375,6 @@ class LeanRunner:
             host = host[[i for order in orders for i in order]]
         return self._by_group(orders, logprobs), host
 
-    MERGE_MIN_ROWS = INT4_MAX_ROWS  # with 4-bit weights, a decode step of fewer rows reads those on its own
-
     @torch.inference_mode()
     def decode_with_prefill(self, groups: list[SequenceGroup], chunks: list[tuple[SequenceGroup, int]]
                             ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]] | None:
@@ -385,11 +382,11 @@ class LeanRunner:
         blocks and one of the head (one read of every weight instead of two): the decode rows and the
         chunks packed in one row, each decode row attending over its slab as in a decode step, each chunk
         over its own prompt. (`decode_groups`' rows per group, `prefill_chunks`' answers per chunk); None
-        where the two run apart: fixed-shape decode steps (CUDA graphs), or a step small enough to read
-        the 4-bit weights alone."""
-        held = [self.rows_of(g) for g in groups]
-        if self.static_decode or (self.int4 and sum(len(r) for r in held) <= self.MERGE_MIN_ROWS):
+        where the two run apart: fixed-shape decode steps (CUDA graphs). With 4-bit weights the decode
+        rows read those and the chunks the dense ones (`PassMeta.int4_rows`)."""
+        if self.static_decode:
             return None
+        held = [self.rows_of(g) for g in groups]
         slabs, rows, table = self._decode_batch(held)
         inputs = to_device(table, torch.int64, self.device)
         decode = self.prepare_decode(slabs, inputs[:, 1])
@@ -397,7 +394,7 @@ class LeanRunner:
         prompt = prepare_prefill(self, parts)
         n = len(rows)
         meta = PassMeta(torch.cat([inputs[:, 1], prompt.positions[0]])[None], prompt.masks, kv=prompt.kv,
-                        slabs=decode.slabs, split=n)
+                        slabs=decode.slabs, split=n, int4_rows=decode.int4_rows)
         edit = segment_editor([(0, i, i + 1, r.group.edits) for i, r in enumerate(rows)] +
                               [(0, n + start, n + stop, edits) for _, start, stop, edits in segments])
         hidden = self.forward(torch.cat([inputs[:, 0], chunk_ids[0]])[None], meta, edit=edit)[0]
@@ -435,7 +432,7 @@ class LeanRunner:
                 parts.append(SlabRows(slab.keys, slab.values, rows, n, mine, torch.arange(n, device=self.device), read,
                                       self.attention.decode_views(mine, read)))
             start += n
-        return PassMeta(positions[:, None], slabs=parts, few_rows=self.int4 and count <= self.INT4_MAX_ROWS)
+        return PassMeta(positions[:, None], slabs=parts, int4_rows=count if self.int4 else 0)
 
     def _by_group(self, orders: list[list[int]], logprobs: torch.Tensor) -> list[torch.Tensor]:
         """Each group's rows of the batch's log probabilities (`orders`: per group, its rows' places in
@@ -475,10 +472,13 @@ class LeanRunner:
 
     def _leave(self, group: SequenceGroup, row: Row) -> None:
         """Free a row's slot. The first choice of a group that did not fail leaves its prompt and what it
-        generated in the prefix cache (the last token picked never ran: its keys are not there)."""
+        generated in the prefix cache (the last token picked never ran: its keys are not there); with
+        4-bit weights its prompt only (a later prompt with its text computes those keys otherwise)."""
         if row.seq_index == 0 and group.error is None and not group.params.interventions and \
                 self.prefix_cache.enabled and self.cache.holds(row):
             ids = group.prompt_ids + group.sequences[0].token_ids[:row.length - group.num_prompt_tokens]
+            if self.int4:  # its generated tokens' keys came from the 4-bit weights; a prompt's from the dense
+                ids = ids[:group.num_prompt_tokens]
             if not self.prefix_cache.covers(ids):
                 slab = self.cache.slabs[row.slab]
                 self.prefix_cache.insert(ids, [k[row.slot, :, :row.length] for k in slab.keys],

@@ -43,30 +43,42 @@ class Linear:
     is padded with rows of zeros (`min_rows`). The packed bfloat16 product is padded to 2 rows
     (`PACKED_MIN_ROWS`): on an AMD EPYC a row of SmolLM2's `down_proj` came out 1 bfloat16 unit apart
     in a call of 1 row and in calls of 2 to 300, real activations whose rare difference random probes
-    did not show (docs/performance.md); not where the numbers move anyway (`strict` False, by default
-    where the matrix has a 4-bit form: `--quantization int4`)."""
+    did not show (docs/performance.md).
+
+    With 4-bit weights (`--quantization int4`) a pass's decode rows, its first `int4_rows`, read those
+    (PyTorch's int4 kernel gives a row the same bits in calls of any row count) and its prompt rows the
+    dense ones: a row reads the same weights whatever shares its call."""
 
     __slots__ = ("weight", "bias", "packed", "int4", "onednn", "min_rows")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, int4: Int4Linear | None = None,
-                 strict: bool | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, int4: Int4Linear | None = None):
         self.weight, self.bias = weight, bias
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight) if pack else None
-        self.int4 = int4  # the same matrix as 4-bit integers, for decode steps of few rows
+        self.int4 = int4  # the same matrix as 4-bit integers, for decode rows
         self.onednn, self.min_rows = False, 1
         if not pack and weight.dtype == torch.float32 and weight.device.type == "cpu":
             self.onednn, self.min_rows = product_for(*weight.shape, torch.get_num_threads())
-        elif pack and (int4 is None if strict is None else strict):
+        elif pack:
             self.min_rows = PACKED_MIN_ROWS  # a row of 1 took other bits than in calls of 2 or more
 
     @classmethod
-    def of(cls, module, pack: bool, int4: Int4Linear | None = None, strict: bool | None = None) -> "Linear":
-        return cls(module.weight, module.bias, pack, int4, strict)
+    def of(cls, module, pack: bool, int4: Int4Linear | None = None) -> "Linear":
+        return cls(module.weight, module.bias, pack, int4)
 
-    def __call__(self, x: torch.Tensor, few_rows: bool = False) -> torch.Tensor:
-        if few_rows and self.int4 is not None:
-            y = self.int4(x)
+    def __call__(self, x: torch.Tensor, int4_rows: int = 0) -> torch.Tensor:
+        """x [rows, K] (or [..., K]) -> [rows, N]; with 4-bit weights its first `int4_rows` rows read those."""
+        if int4_rows and self.int4 is not None:
+            rows = x.numel() // x.shape[-1]
+            if int4_rows >= rows:
+                y = self.int4(x)
+            else:  # decode rows and prompt chunks in one pass: each kind reads its own weights
+                flat = x.reshape(rows, x.shape[-1])
+                y = torch.cat([self.int4(flat[:int4_rows]), self._dense(flat[int4_rows:])])
+                y = y.view(*x.shape[:-1], y.shape[-1])
             return y if self.bias is None else y + self.bias
+        return self._dense(x)
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         if rows < self.min_rows:  # padded to the floor of rows whose bits do not depend on the count
             flat = x.reshape(rows, x.shape[-1])
