@@ -96,12 +96,19 @@ def test_a_bf16_prompts_numbers_have_the_same_bits_beside_anything(kind, engines
 def test_smollm2_in_bf16_has_the_same_bits_beside_any_decoding(smol_dir, tokenizer):
     """The bundled model in bfloat16, on 2 threads as a server on 2 vCPUs: a greedy and a seeded sampled
     generation (logprobs 5 and 3) alone, then beside 1 and 16 others; every number bit for bit."""
+    smollm2_beside_others(smol_dir, tokenizer, "none")
+
+
+def smollm2_beside_others(smol_dir, tokenizer, quantization: str) -> None:
+    """The bundled model in bfloat16 (with `quantization`) on 2 threads: the probes of
+    test_batch_invariance.py alone, then beside 1 and 16 others, compared bit for bit."""
     skip_unless_invariant(len(tokenizer))
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        model, _ = loader.load(loader.resolve_source(str(smol_dir)), "bfloat16")
-        engine = Engine(model, tokenizer, "smollm2-bf16", [], prefix_cache_mb=0)
+        model, _ = loader.load(loader.resolve_source(str(smol_dir)), "bfloat16", quantization=quantization)
+        engine = Engine(model, tokenizer, f"smollm2-bf16-{quantization}", [], prefix_cache_mb=0)
+        assert engine.runner.int4 == (quantization == "int4")
         with torch.inference_mode():
             alone = float32_tests.probes(engine)
             for group in alone:
@@ -114,6 +121,6 @@ def test_smollm2_in_bf16_has_the_same_bits_beside_any_decoding(smol_dir, tokeniz
                                     after=int(rng.integers(1, 6)))
                 for group, want in zip(mine, alone):
                     float32_tests.assert_same_bits(want, float32_tests.answer(group),
-                                                   f"smollm2 bf16: {group.request_id} beside {count}")
+                                                   f"smollm2 bf16 {quantization}: {group.request_id} beside {count}")
     finally:
         torch.set_num_threads(before)

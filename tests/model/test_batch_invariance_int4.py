@@ -16,15 +16,14 @@ in the generation test); SmolLM2's runs 68 generations on the real model (about 
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 import test_batch_invariance as float32_tests
 from logprobe.engine.engine import Engine
 from logprobe.engine.host.request import SamplingParams, SequenceGroup
-from logprobe.engine.runners import int4, loader
-from test_batch_invariance_bf16 import BF16_TOL, skip_unless_invariant
+from logprobe.engine.runners import int4
+from test_batch_invariance_bf16 import BF16_TOL, skip_unless_invariant, smollm2_beside_others
 from test_fast_paths import on_grid
 from test_families import build
 
@@ -126,25 +125,4 @@ def test_smollm2_in_bf16_int4_has_the_same_bits_beside_any_decoding(smol_dir, to
     """The bundled model as `--dtype bfloat16 --quantization int4` serves it, on 2 threads as a server on
     2 vCPUs: a greedy and a seeded sampled generation (logprobs 5 and 3) alone, then beside 1 and 16
     others; every number bit for bit."""
-    skip_unless_invariant(len(tokenizer))
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        model, _ = loader.load(loader.resolve_source(str(smol_dir)), "bfloat16", quantization="int4")
-        engine = Engine(model, tokenizer, "smollm2-bf16-int4", [], prefix_cache_mb=0)
-        assert engine.runner.int4
-        with torch.inference_mode():
-            alone = float32_tests.probes(engine)
-            for group in alone:
-                float32_tests.drive(engine, [group])
-            alone = [float32_tests.answer(g) for g in alone]
-            rng = np.random.default_rng(5)
-            for count in (1, 16):
-                mine = float32_tests.probes(engine)
-                float32_tests.drive(engine, float32_tests.others(engine, count, rng), later=mine,
-                                    after=int(rng.integers(1, 6)))
-                for group, want in zip(mine, alone):
-                    float32_tests.assert_same_bits(want, float32_tests.answer(group),
-                                                   f"smollm2 bf16+int4: {group.request_id} beside {count}")
-    finally:
-        torch.set_num_threads(before)
+    smollm2_beside_others(smol_dir, tokenizer, "int4")
