@@ -60,21 +60,29 @@ def skip_unless_invariant(vocab: int) -> None:
                     "promise in bfloat16 here (docs/performance.md)")
 
 
-@pytest.fixture(scope="module")
-def engines(tokenizer):
-    """kind -> (float32 model for the reference, bfloat16 engine with the prefix cache, one without)."""
+def engine_pairs(tokenizer, models, label: str):
+    """kind -> (the float32 model for the reference, an engine with the prefix cache, one without), the
+    three models from `models(kind)` (a bfloat16 runner packs its weights and frees the model's: one
+    model each), made at the first use of a kind; skips where the bfloat16 product is not row-invariant."""
     skip_unless_invariant(len(tokenizer))
     made = {}
 
     def of(kind):
-        if kind not in made:  # a bfloat16 runner packs its weights and frees the model's: one model each
-            made[kind] = (build(kind, len(tokenizer)),
-                          Engine(build(kind, len(tokenizer)).to(torch.bfloat16), tokenizer, f"{kind}-bf16-cached", []),
-                          Engine(build(kind, len(tokenizer)).to(torch.bfloat16), tokenizer, f"{kind}-bf16-uncached",
-                                 [], prefix_cache_mb=0))
+        if kind not in made:
+            reference, cached, uncached = models(kind)
+            made[kind] = (reference, Engine(cached, tokenizer, f"{kind}-{label}-cached", []),
+                          Engine(uncached, tokenizer, f"{kind}-{label}-uncached", [], prefix_cache_mb=0))
         return made[kind]
 
     return of
+
+
+@pytest.fixture(scope="module")
+def engines(tokenizer):
+    """kind -> (float32 model for the reference, bfloat16 engine with the prefix cache, one without)."""
+    vocab = len(tokenizer)
+    return engine_pairs(tokenizer, lambda kind: (build(kind, vocab), build(kind, vocab).to(torch.bfloat16),
+                                                 build(kind, vocab).to(torch.bfloat16)), "bf16")
 
 
 @pytest.fixture

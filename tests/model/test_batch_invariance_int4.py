@@ -20,10 +20,9 @@ import pytest
 import torch
 
 import test_batch_invariance as float32_tests
-from logprobe.engine.engine import Engine
 from logprobe.engine.host.request import SamplingParams, SequenceGroup
 from logprobe.engine.runners import int4
-from test_batch_invariance_bf16 import BF16_TOL, skip_unless_invariant, smollm2_beside_others
+from test_batch_invariance_bf16 import bf16_tolerance, engine_pairs, smollm2_beside_others  # noqa: F401 (a fixture)
 from test_fast_paths import on_grid
 from test_families import build
 
@@ -67,36 +66,26 @@ def int4_model(kind: str, vocab: int):
 @pytest.fixture(scope="module")
 def engines(tokenizer):
     """kind -> (float32 grid model, bfloat16 + int4 engine with the prefix cache, one without)."""
-    skip_unless_invariant(len(tokenizer))
-    made = {}
+    vocab = len(tokenizer)
 
-    def of(kind):
-        if kind not in made:  # a bfloat16 runner packs its weights and frees the model's: one model each
-            model, cached = int4_model(kind, len(tokenizer))
-            _, uncached = int4_model(kind, len(tokenizer))
-            made[kind] = (model, Engine(cached, tokenizer, f"{kind}-int4-cached", []),
-                          Engine(uncached, tokenizer, f"{kind}-int4-uncached", [], prefix_cache_mb=0))
-            assert made[kind][1].runner.int4 and made[kind][2].runner.int4
-        return made[kind]
+    def models(kind):
+        reference, cached = int4_model(kind, vocab)
+        return reference, cached, int4_model(kind, vocab)[1]
 
-    return of
+    return engine_pairs(tokenizer, models, "int4")
 
 
-@pytest.fixture
-def bf16_tolerance(monkeypatch):
-    monkeypatch.setattr(float32_tests, "TOL", BF16_TOL)
-
-
+@pytest.mark.usefixtures("bf16_tolerance")
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])
-def test_an_int4_generation_has_the_same_bits_beside_any_decoding(kind, engines, reference_of, bf16_tolerance):
+def test_an_int4_generation_has_the_same_bits_beside_any_decoding(kind, engines, reference_of):
     """Alone its decode steps are 1 row; beside 5 or 16 others, up to 18 (the dense weights' side of
     the old threshold of 8 rows)."""
     float32_tests.test_a_generation_has_the_same_bits_beside_any_decoding(kind, engines, reference_of)
 
 
+@pytest.mark.usefixtures("bf16_tolerance")
 @pytest.mark.parametrize("kind", ["llama"])
-def test_an_int4_prompts_numbers_have_the_same_bits_beside_anything(kind, engines, reference_of, bf16_tolerance,
-                                                                    monkeypatch):
+def test_an_int4_prompts_numbers_have_the_same_bits_beside_anything(kind, engines, reference_of, monkeypatch):
     """Prompt chunks next to decode rows in one pass: the chunks read the dense weights, the rows the 4-bit."""
     float32_tests.test_a_prompts_numbers_have_the_same_bits_beside_anything(kind, engines, reference_of, monkeypatch)
 
@@ -106,6 +95,7 @@ def test_a_prompt_after_an_int4_generation_has_the_bits_it_has_without_the_cache
     prefix cache keeps the first call's prompt, not its generated tokens' keys (the 4-bit weights made
     them): the second call's numbers are those of the engine without a cache."""
     _, cached, uncached = engines("llama")
+    assert cached.runner.int4 and uncached.runner.int4
     cached.runner.prefix_cache.clear()
     prompt = float32_tests.prompt
     with torch.inference_mode():
