@@ -8,8 +8,9 @@ threads (a greedy and a seeded sampled generation beside 1 and 16 others); every
 for bit with the request alone. Where this CPU's bfloat16 product is not row-invariant from 2 rows
 (probed first, on the models' shapes), the tests skip and say so.
 
-What it rests on, besides the product: a call of 1 row padded to 2 (`Linear`: on the EPYC a row of
-SmolLM2's `down_proj` came out one bfloat16 unit apart alone), SDPA's query floor and short block taken
+What it rests on, besides the product: a call of 1 row padded to 2 where the weight's shape takes
+another path for one row (`row_floors.packed_floor`: on the EPYC a row of SmolLM2's `down_proj` came
+out one bfloat16 unit apart alone), SDPA's query floor and short block taken
 from the float32 probes (row_floors; test_attention_reads.py runs the kernel property in bfloat16), and
 the top-k ids in one order among equal values (engine/device/top_k.py; ties are common among bfloat16
 log probabilities, and torch.topk alone ordered them otherwise as the call's row count changed).

@@ -36,6 +36,31 @@ def test_a_product_gives_a_row_the_same_bits_at_every_row_count(shape):
     assert linear.min_rows >= 1 and linear(probe[None]).shape == (1, n)
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this build of torch")
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (3072, 576), (576, 576)])
+def test_a_packed_bf16_products_one_row_call_gives_a_row_the_bits_of_a_call_of_two(shape):
+    """SmolLM2's projections in bfloat16, pre-packed (`row_floors.packed_floor` measured their floor on
+    other random weights): each of 256 rows has the same bits alone as in a call of 2, and where the
+    floor pads a call of 1 row, the unpadded call does give some row other bits. (Calls of 2 and more:
+    test_batch_invariance_bf16.py's probe.)"""
+    n, k = shape
+    gen = torch.Generator().manual_seed(n * 3 + k)
+    linear = Linear((torch.randn(n, k, generator=gen) * 0.05).bfloat16(), None, pack=True)
+    x = torch.randn(256, k, generator=gen).bfloat16()
+    with torch.inference_mode():
+        pairs = [linear(x[i:i + 2]) for i in range(0, 256, 2)]
+        alone = [linear(x[i:i + 1])[0] for i in range(256)]
+    same = all(torch.equal(alone[i], pairs[i // 2][i % 2]) for i in range(256))
+    assert linear.min_rows in (1, 2)
+    if linear.min_rows == 1:
+        assert same
+    else:  # padded: a 1-row call is a 2-row call, the same bits by construction
+        assert same
+        raw = torch.ops.mkldnn._linear_pointwise
+        unpadded = [raw(x[i:i + 1], linear.packed, None, "none", [], "")[0] for i in range(256)]
+        assert not all(torch.equal(unpadded[i], pairs[i // 2][i % 2]) for i in range(256))
+
+
 def test_queries_are_padded_to_whole_blocks_of_the_floor():
     """Every block of the kernel's split of the padded queries holds the floor at least, with the fewest
     added; a floor of 1 adds none."""

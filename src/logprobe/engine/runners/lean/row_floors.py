@@ -101,6 +101,32 @@ def product_for(n: int, k: int, threads: int | None = None) -> tuple[bool, int]:
 
 
 @functools.cache
+def packed_floor(n: int, k: int, dtype: torch.dtype, threads: int | None = None) -> int:
+    """The fewest rows a call of oneDNN's pre-packed product (bfloat16 on a CPU) of a weight [n, k] needs
+    for a row's bits not to depend on the call: 1 where each probe row has the same bits alone as in a
+    call of 2, else 2 (`Linear` pads a call of 1 row). On an AMD EPYC SmolLM2's `down_proj` [576 x 1536]
+    gives 9% of random rows other bits alone, its projections of 576 columns and its head none of 2,048
+    (the kernel's one-row path differs by shape). Probed on a random weight of min(n, PROBE_WIDTH) rows
+    and on about a quarter of a million outputs (a shape whose one-row path differs shows it in most rows: the
+    probe stops at the first), once per shape, dtype and thread count (`threads`: the cache's key)."""
+    gen = torch.Generator().manual_seed(n * 7919 + k + 1)
+    width = min(n, PROBE_WIDTH)
+    packed = torch.ops.mkldnn._reorder_linear_weight((torch.randn(width, k, generator=gen) * 0.05).to(dtype))
+    rows = min(256, max(32, 2**18 // width)) & ~1  # in pairs
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+
+    def product(rows_x):
+        return torch.ops.mkldnn._linear_pointwise(rows_x, packed, None, "none", [], "")
+
+    with torch.inference_mode():
+        for i in range(0, rows, 2):
+            pair = product(x[i:i + 2])
+            if not (torch.equal(product(x[i:i + 1])[0], pair[0]) and torch.equal(product(x[i + 1:i + 2])[0], pair[1])):
+                return 2
+    return 1
+
+
+@functools.cache
 def query_floor(d: int, dtype: torch.dtype, threads: int | None = None) -> int:
     """The fewest query rows a block of SDPA's CPU kernel needs for a query's bits not to depend on the
     others in it: 1 where every count gives the same bits; 4 for SmolLM2's head size on an AMD EPYC,

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ..int4 import Int4Linear
-from .row_floors import onednn_product, product_for
+from .row_floors import onednn_product, packed_floor, product_for
 
 
 def packing_works(dtype, device) -> bool:
@@ -28,9 +28,6 @@ def packing_works(dtype, device) -> bool:
         return False
 
 
-PACKED_MIN_ROWS = 2  # the fewest rows a packed bfloat16 product is called with (Linear)
-
-
 class Linear:
     """A weight [N, K] (and bias) of the lean runner. In bfloat16 on CPUs the weight is pre-packed once
     into oneDNN's blocked layout: the plain bfloat16 product repacks it on every call, which costs
@@ -40,10 +37,10 @@ class Linear:
     In float32 on a CPU the product is the one that gives a row the same bits whatever the call's row
     count (row_floors.product_for, measured once per shape): `F.linear` (MKL) where it does at every
     count, else oneDNN's product of the plain weight, and a call of fewer rows than the product's floor
-    is padded with rows of zeros (`min_rows`). The packed bfloat16 product is padded to 2 rows
-    (`PACKED_MIN_ROWS`): on an AMD EPYC a row of SmolLM2's `down_proj` came out 1 bfloat16 unit apart
-    in a call of 1 row and in calls of 2 to 300, real activations whose rare difference random probes
-    did not show (docs/performance.md).
+    is padded with rows of zeros (`min_rows`). A packed bfloat16 product's call of 1 row is padded to 2
+    where this shape's one-row path gives other bits (row_floors.packed_floor): on an AMD EPYC a row of
+    SmolLM2's `down_proj` came out 1 bfloat16 unit apart in a call of 1 row and in calls of 2 to 300
+    (docs/performance.md); its other products take one path.
 
     With 4-bit weights (`--quantization int4`) a pass's decode rows, its first `int4_rows`, read those
     (PyTorch's int4 kernel gives a row the same bits in calls of any row count) and its prompt rows the
@@ -59,7 +56,7 @@ class Linear:
         if not pack and weight.dtype == torch.float32 and weight.device.type == "cpu":
             self.onednn, self.min_rows = product_for(*weight.shape, torch.get_num_threads())
         elif pack:
-            self.min_rows = PACKED_MIN_ROWS  # a row of 1 took other bits than in calls of 2 or more
+            self.min_rows = packed_floor(*weight.shape, weight.dtype, torch.get_num_threads())
 
     @classmethod
     def of(cls, module, pack: bool, int4: Int4Linear | None = None) -> "Linear":
