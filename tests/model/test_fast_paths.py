@@ -274,3 +274,23 @@ def test_masks_are_made_additive_once_with_the_boolean_masks_numbers(static, tok
         boolean.stop()
     assert torch.bool in seen  # the comparison did run the boolean masks
     np.testing.assert_equal(got, want)  # exactly (a prompt's first position: NaN in both)
+
+
+@pytest.mark.skipif(not int4.available(), reason="no CPU int4 kernel in this torch")
+def test_a_pass_of_decode_rows_and_prompt_rows_reads_each_kinds_weights_once():
+    """`Linear` with a 4-bit form, called for 3 decode rows and 4 prompt rows in one pass (int4_rows=3):
+    the decode rows have the bits of a 4-bit call alone, the prompt rows those of a dense call alone, and
+    both are the float64 product of the weights plus the bias once (bfloat16's error, not a second bias)."""
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randint(0, 16, (96, 64), generator=gen, dtype=torch.uint8)
+    scale = torch.rand(96, 2, generator=gen) * 0.02
+    w = (q.float() - 7.5) * scale.repeat_interleave(32, 1)
+    bias = torch.randn(96, generator=gen)
+    lin = lean.weights.Linear(w.bfloat16(), bias.bfloat16(), pack=lean.packing_works(torch.bfloat16, torch.device("cpu")),
+                              int4=int4.Int4Linear([int4.Grid(q, scale, -7.5 * scale)]))
+    x = torch.randn(7, 64, generator=gen).bfloat16()
+    with torch.inference_mode():
+        mixed = lin(x, 3)
+        assert torch.equal(mixed[:3], lin(x[:3], 3)) and torch.equal(mixed[3:], lin(x[3:]))
+    want = x.double() @ w.double().T + bias.double()
+    assert float((mixed.double() - want).abs().max()) < 0.05  # a second bias would be ~1 off

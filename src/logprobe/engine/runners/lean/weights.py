@@ -67,13 +67,16 @@ class Linear:
         if int4_rows and self.int4 is not None:
             rows = x.numel() // x.shape[-1]
             if int4_rows >= rows:
-                y = self.int4(x)
-            else:  # decode rows and prompt chunks in one pass: each kind reads its own weights
-                flat = x.reshape(rows, x.shape[-1])
-                y = torch.cat([self.int4(flat[:int4_rows]), self._dense(flat[int4_rows:])])
-                y = y.view(*x.shape[:-1], y.shape[-1])
-            return y if self.bias is None else y + self.bias
+                return self._four_bit(x)
+            # decode rows and prompt chunks in one pass: each kind reads its own weights
+            flat = x.reshape(rows, x.shape[-1])
+            y = torch.cat([self._four_bit(flat[:int4_rows]), self._dense(flat[int4_rows:])])
+            return y.view(*x.shape[:-1], y.shape[-1])
         return self._dense(x)
+
+    def _four_bit(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.int4(x)
+        return y if self.bias is None else y + self.bias
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
