@@ -13,7 +13,9 @@ a network. Prints a table and writes it as JSON (`--out`).
    bad words (`logprobs_mode: "both"`), a token tree, batch scoring lines held at a block of their
    pass while interactive requests run there (their numbers as uninterrupted and as alone), a client
    loop on the prefix cache (a request a token, each a hit), and a stream's prompt run at a block of
-   an interactive scoring pass.
+   an interactive scoring pass. The same bits beside other requests: tiny float32 Llama and Gemma 3
+   models on the device, with the prefix cache and without, a scored text and three generations alone
+   and then beside 1, 15 and 63 requests of every kind, every number compared bit for bit.
 3. A Llama-3.1-8B-shaped model with random weights in bfloat16 (32 layers, d_model 4096, 32 query and 8
    key/value heads, MLP 14,336, vocabulary 128,256), loaded straight onto the device:
    - prefill tok/s (4 prompts of 2,048 tokens, one token generated each) against the FLOP ceiling,
@@ -22,6 +24,8 @@ a network. Prints a table and writes it as JSON (`--out`).
      and after it, and at batch 64 with top-p (picked after the replay, with a sort), the step's wall
      time beside the time the device's kernels run (the profiler) and the device-to-host
      synchronizations per decode step (CUDA's sync debug mode),
+   - the same bits beside 15 and 63 requests of every kind, in bfloat16 at this shape, with each
+     run's seconds,
    - a 256-position whole-vocabulary request (`prompt_logprobs: -1`, `vocab_encoding: "float32"`)
      end to end through the HTTP application (FastAPI's test client, in process),
    - decode at batch 1, 16 and 64 again with the fixed-shape step compiled by torch.compile (Inductor
@@ -34,7 +38,7 @@ model's (`--tokenizer DIR`: any transformers tokenizer directory; its 49,152 tok
 model's first ids, the rest decode to nothing).
 
     python benchmarks/gpu_check.py --tokenizer DIR [--out gpu_check.json] [--device cuda] [--small]
-                                   [--skip families,sampler,paths,whole,compile]
+                                   [--skip families,sampler,paths,invariance,whole,compile]
 
 `--small` shrinks the large model (for a dry run of the script on a CPU).
 """
@@ -449,6 +453,75 @@ def decode_paths(device, tokenizer, tol=1e-4):
     return out
 
 
+def invariance_runs(engine, counts, others_of, seed):
+    """The probes of tests/model/test_batch_invariance.py (a scored text, a generation asking for its
+    prompt's numbers, a greedy and a seeded sampled generation) alone, then beside `count` others
+    (`others_of(engine, count, rng)`), arriving in the same step or once the others run: per count,
+    whether every number of every probe has the alone run's bits, the largest difference where not, the
+    probes' fields that differ, and the run's seconds."""
+    from test_batch_invariance import answer, drive, probes, prompt_probes, whole_answer
+
+    def probes_of():
+        return prompt_probes(engine) + probes(engine)
+
+    def numbers(group):
+        return whole_answer(group) if group.params.max_tokens == 0 or group.params.prompt_logprobs else \
+            [np.asarray(a) for a in answer(group)]
+
+    def timed(groups, later=(), after=0):
+        sync(engine.runner.device)
+        t0 = time.perf_counter()
+        drive(engine, groups, later=later, after=after)
+        sync(engine.runner.device)
+        return time.perf_counter() - t0
+
+    alone, seconds = probes_of(), 0.0
+    for group in alone:
+        seconds += timed([group])
+    want = {g.request_id: numbers(g) for g in alone}
+    out = {"alone_s": seconds}
+    rng = np.random.default_rng(seed)
+    for count in counts:
+        mine, beside = probes_of(), others_of(engine, count, rng)
+        together = bool(rng.integers(2))
+        seconds = timed(beside + mine) if together else timed(beside, later=mine, after=int(rng.integers(1, 4)))
+        differ, worst = [], 0.0
+        for group in mine:
+            got, expected = numbers(group), want[group.request_id]
+            same = len(got) == len(expected) and all(
+                a.shape == b.shape and np.array_equal(a, b, equal_nan=True) for a, b in zip(got, expected))
+            if not same:
+                differ.append(group.request_id)
+                worst = max([worst] + [max_difference(a, b) for a, b in zip(got, expected)])
+        out[f"beside_{count}"] = {"same_bits": not differ, "differ": differ, "max_abs_difference": worst,
+                                  "arrived": "together" if together else "mid-run", "seconds": seconds}
+    out["passed"] = all(v["same_bits"] for k, v in out.items() if k.startswith("beside_"))
+    return out
+
+
+@section("same bits beside other requests")
+@torch.inference_mode()
+def invariance(device, tokenizer, counts=(1, 15, 63)):
+    """On tiny float32 Llama and Gemma 3 models on the device, with the prefix cache and without: a
+    request's whole answer alone and beside 1, 15 and 63 requests of every kind (tests/model/
+    test_batch_invariance.py's mix: scored texts, some sharing the probe's first tokens, generations with
+    and without their prompt's numbers, greedy and sampled, 3-300 tokens), compared bit for bit."""
+    from test_batch_invariance import mixed
+    from test_families import build
+
+    out = {}
+    for kind in ("llama", "gemma3"):
+        model = build(kind, len(tokenizer)).to(device=device, dtype=torch.float32)
+        for cache_mb in (0, 64):
+            engine = Engine(model, tokenizer, f"{kind}-{cache_mb}", [], prefix_cache_mb=cache_mb)
+            name = f"{kind}, {'prefix cache' if cache_mb else 'no prefix cache'}"
+            out[name] = invariance_runs(engine, counts, mixed, seed=17)
+            say(f"   {name}: " + ", ".join(f"beside {c}: {'same bits' if out[name][f'beside_{c}']['same_bits'] else 'DIFFER ' + format(out[name][f'beside_{c}']['max_abs_difference'], '.1e')}"
+                                          for c in counts))
+    out["passed"] = all(v["passed"] for v in out.values() if isinstance(v, dict))
+    return out
+
+
 # ---- 3. the 8B-shaped model ------------------------------------------------------------------
 def llama8b_config(small: bool):
     from transformers import LlamaConfig
@@ -506,6 +579,19 @@ def finish(engine, groups):
 
 def random_prompt(n, seed, vocab):
     return np.random.default_rng(seed).integers(100, vocab, n).tolist()
+
+
+@section("same bits beside other requests, the 8B-shaped model")
+@torch.inference_mode()
+def invariance_large(holder, counts=(15, 63)):
+    """The same probes on the 8B-shaped bfloat16 model, alone and beside 15 and 63 requests of every kind
+    (`invariance`'s mix), with the seconds of each run: what the same bits hold at that shape and dtype."""
+    from test_batch_invariance import mixed
+
+    out = invariance_runs(holder["engine"], counts, mixed, seed=29)
+    say("   " + ", ".join(f"beside {c}: {'same bits' if out[f'beside_{c}']['same_bits'] else 'DIFFER ' + format(out[f'beside_{c}']['max_abs_difference'], '.1e')}"
+                          f" ({out[f'beside_{c}']['seconds']:.1f} s)" for c in counts))
+    return out
 
 
 @section("prefill")
@@ -757,7 +843,7 @@ def main():
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default="gpu_check.json")
     parser.add_argument("--small", action="store_true")
-    parser.add_argument("--skip", default="", help="comma-separated sections to skip: families,sampler,paths,whole,compile")
+    parser.add_argument("--skip", default="", help="comma-separated sections to skip: families,sampler,paths,invariance,whole,compile")
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
@@ -777,11 +863,15 @@ def main():
         sampler_numbers(device, tokenizer)
     if "paths" not in skip:
         decode_paths(device, tokenizer)
+    if "invariance" not in skip:
+        invariance(device, tokenizer)
     holder = {}
     load_large(device, args.small, tokenizer, holder)
     if "engine" in holder:
         prefill(device, holder)
         decode(device, holder)
+        if "invariance" not in skip:
+            invariance_large(holder)
         if "whole" not in skip:
             whole_vocab(device, holder, tokenizer)
         if "compile" not in skip:

@@ -1,0 +1,56 @@
+"""The GPU check's same-bits section (benchmarks/gpu_check.py `invariance_runs`), run here on the CPU so
+that it works when a device is lent: on a tiny Llama it finds the same bits beside 1 and 15 requests of
+every kind, and it finds the difference where a request's numbers move with the rows beside it."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from logprobe.engine.engine import Engine
+from logprobe.engine.runners.lean.attention import Attention
+from test_batch_invariance import mixed
+from test_families import build
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("logprobe_gpu_check", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def engine(tokenizer):
+    return Engine(build("llama", len(tokenizer)), tokenizer, "llama-check", [], prefix_cache_mb=0)
+
+
+@pytest.mark.skipif(not Attention.invariant_kernels(), reason=(
+    f"torch {torch.__version__}: its CPU attention gives a decode row other bits than a prompt pass"))
+def test_the_same_bits_are_found_where_they_hold(gpu_check, engine):
+    with torch.inference_mode():
+        out = gpu_check.invariance_runs(engine, (1, 15), mixed, seed=17)
+    assert out["passed"], out
+    assert [k for k in out if k.startswith("beside_")] == ["beside_1", "beside_15"]
+    assert all(out[k]["differ"] == [] and out[k]["max_abs_difference"] == 0.0 for k in ("beside_1", "beside_15"))
+
+
+def test_a_number_that_moves_with_the_rows_beside_it_is_found(gpu_check, engine, monkeypatch):
+    """The head's log probabilities shifted by 1e-6 per row of the call: every probe whose numbers come
+    from a call shared with others differs, by at most what the shift gives."""
+    plain = engine.runner.logprobs_of
+    monkeypatch.setattr(engine.runner, "logprobs_of",
+                        lambda hidden: plain(hidden) + 1e-6 * hidden.reshape(-1, hidden.shape[-1]).shape[0])
+    with torch.inference_mode():
+        out = gpu_check.invariance_runs(engine, (15,), mixed, seed=17)
+    beside = out["beside_15"]
+    assert not out["passed"] and not beside["same_bits"]
+    assert {"greedy", "sampled"} <= set(beside["differ"])
+    assert 0 < beside["max_abs_difference"] < 1e-3
