@@ -43,8 +43,9 @@ def test_the_same_bits_are_found_where_they_hold(gpu_check, engine):
 
 
 def test_a_number_that_moves_with_the_rows_beside_it_is_found(gpu_check, engine, monkeypatch):
-    """The head's log probabilities shifted by 1e-6 per row of the call: every probe whose numbers come
-    from a call shared with others differs, by at most what the shift gives."""
+    """The head's log probabilities shifted by 1e-6 per row of its call: the generations, whose decode
+    steps share the head's call with the others' rows, are named as differing, and the difference found
+    is of the shift's size (not a wrong comparison of unrelated arrays)."""
     plain = engine.runner.logprobs_of
     monkeypatch.setattr(engine.runner, "logprobs_of",
                         lambda hidden: plain(hidden) + 1e-6 * hidden.reshape(-1, hidden.shape[-1]).shape[0])
