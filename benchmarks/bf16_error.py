@@ -68,12 +68,14 @@ def decode_all(dtype: str, quantization: str):
         group = SequenceGroup("b", ids[:1], SamplingParams(max_tokens=len(ids)), engine.table)
         group.active_rows = [0]
         runner.prefill_chunk(group, 1)
-        runner.expand(group, 1)
+        runner.expand(group, *engine.kv.expand(group, 1))
         rows = []
         for position in range(1, len(ids) - 1):
             group.sequences[0].token_ids.append(ids[position])
+            runner.move(engine.kv.make_room())  # as the engine's step: room, the pass, the position counted
             rows.append(runner.decode_groups([group])[0][0].numpy().copy())  # predicts ids[position + 1]
-        runner.release(group)
+            engine.kv.advance()
+        runner.release(group, engine.kv.release(group))
         full = np.stack(rows)
         out.append((full[np.arange(len(rows)), ids[2:]], full))
     return out

@@ -573,7 +573,7 @@ def step_until_decoding(engine, groups):
 
 def finish(engine, groups):
     for g in groups:
-        engine.runner.release(g)
+        engine.runner.release(g, engine.kv.release(g))
         engine.scheduler.finished(g)
 
 

@@ -157,11 +157,11 @@ def test_short_prompts_share_one_prefill_pass(tiny_engine, reference, monkeypatc
 
 def test_kv_cache_shrinks_when_idle(tiny_engine):
     """The slot cache grows with the batch; once the engine is idle it goes back to its first size."""
-    cache = tiny_engine.runner.cache
-    slots, capacity = cache._initial
+    cache, kv = tiny_engine.runner.cache, tiny_engine.kv
+    slots, capacity = kv._initial
     initial = [(capacity, slots)]  # (capacity, slots) of each size class
 
-    def classes():
+    def classes():  # the memory's (which follows the manager's)
         return [(c, slab.num_slots) for c, slab in cache.slabs.items()]
 
     groups = [make(tiny_engine, [5 + i, 6], max_tokens=20, n=3, temperature=1.0, seed=i) for i in range(8)]
@@ -177,4 +177,5 @@ def test_kv_cache_shrinks_when_idle(tiny_engine):
         time.sleep(0.05)
     # float32, over the positions the class holds (its capacity, or more: Attention.held)
     bytes_per_slot = 2 * cache.num_layers * cache.kv_heads * cache.positions(capacity) * cache.head_dim * 4
-    assert classes() == initial and not cache.rows and cache.nbytes == slots * bytes_per_slot
+    assert classes() == initial and not kv.rows and cache.nbytes == slots * bytes_per_slot
+    assert cache.matches(kv)

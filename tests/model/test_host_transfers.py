@@ -61,7 +61,7 @@ def decode_step_transfers(engine: Engine, batch: int, kinds=KINDS) -> list[str]:
             engine.step(plan)
         assert all(len(s.token_ids) >= 2 for g in groups for s in g.sequences)  # the step did decode
         for group in groups:
-            engine.runner.release(group)
+            engine.runner.release(group, engine.kv.release(group))
             engine.scheduler.finished(group)
     return counter.calls
 

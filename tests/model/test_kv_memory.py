@@ -1,9 +1,10 @@
-"""The lean runner's KV cache in size classes (engine/runners/kv_cache.py): its memory follows the positions held,
-and rows moving into larger classes, or leaving theirs, change no number.
+"""The batched KV cache in size classes (the engine's manager, engine/host/kv_manager.py, and the lean
+runner's memory, engine/runners/kv_cache.py): its memory follows the positions held, and rows moving into
+larger classes, or leaving theirs, change no number.
 
 Engines here run step by step on the test's own thread (`drive`: the engine's `step`, as its loop calls
-it), so a batch is scheduled the same way on every run, and the runner's bookkeeping is checked after
-every step. Tiny random-weight float32 models with a tiny first class (4 or 16 positions), so rows cross
+it), so a batch is scheduled the same way on every run, and the manager's bookkeeping, and the memory
+against it, are checked after every step. Tiny random-weight float32 models with a tiny first class (4 or 16 positions), so rows cross
 several class boundaries while others decode; tolerance 1e-5 on log probabilities, as in the other
 engine tests, against the same requests run alone and against the float64 reference.
 """
@@ -69,11 +70,11 @@ def drive(engine, groups, observe=None):
         scheduler.add(group)
     while scheduler.has_work:
         engine.step(scheduler.schedule())
-        assert engine.runner.is_consistent(scheduler.running)
+        assert engine.kv.is_consistent(scheduler.running) and engine.runner.is_consistent(scheduler.running)
         if observe is not None:
             observe()
     assert all(g.error is None and g.is_finished for g in groups)
-    assert not engine.runner.cache.rows
+    assert not engine.kv.rows and not engine.kv.held
     return groups
 
 
@@ -84,9 +85,12 @@ def bytes_per_position(model) -> int:
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * torch.finfo(model.dtype).bits // 8
 
 
-def classes(cache) -> list[tuple[int, int, int]]:
-    """(capacity, slots, rows) of each size class."""
-    return [(capacity, slab.num_slots, len(slab.rows)) for capacity, slab in cache.slabs.items()]
+def classes(engine) -> list[tuple[int, int, int]]:
+    """(capacity, slots, rows) of each size class, the manager's; the runner's memory holds exactly these."""
+    memory = engine.runner.cache
+    assert memory.matches(engine.kv)
+    assert [(c, s.num_slots) for c, s in memory.slabs.items()] == [(c, k.num_slots) for c, k in engine.kv.classes.items()]
+    return [(capacity, c.num_slots, len(c.rows)) for capacity, c in engine.kv.classes.items()]
 
 
 def answers(groups):
@@ -124,21 +128,21 @@ class Moves:
     """After each step: which rows changed size class while other rows kept decoding, which rows left
     (and from which class), and the most classes holding rows at once."""
 
-    def __init__(self, cache_of):
-        self.cache_of = cache_of
+    def __init__(self, kv):
+        self.kv = kv
         self.where: dict[int, tuple[object, int]] = {}  # id(row) -> (row, class)
         self.moved_beside_others = 0
         self.left_from: list[int] = []
         self.most_classes = 0
 
     def __call__(self):
-        cache = self.cache_of()
-        now = {id(r): (r, r.slab) for r in cache.rows}
+        kv = self.kv
+        now = {id(r): (r, r.slab) for r in kv.rows}
         moved = [i for i in now if i in self.where and now[i][1] != self.where[i][1]]
         if moved and len(now) > len(moved):
             self.moved_beside_others += 1
         self.left_from += [slab for i, (_, slab) in self.where.items() if i not in now]
-        self.most_classes = max(self.most_classes, sum(1 for slab in cache.slabs.values() if slab.rows))
+        self.most_classes = max(self.most_classes, sum(1 for c in kv.classes.values() if c.rows))
         self.where = now
 
 
@@ -163,16 +167,16 @@ def test_memory_follows_the_positions_held(llama, tokenizer):
     cache = engine.runner.cache
     per_position = bytes_per_position(model)
     assert per_position == 2 * cache.num_layers * cache.kv_heads * cache.head_dim * 4
-    assert classes(cache) == [(16, 4, 0)] and cache.nbytes == 4 * cache.positions(16) * per_position  # (Attention.held)
+    assert classes(engine) == [(16, 4, 0)] and cache.nbytes == 4 * cache.positions(16) * per_position  # (Attention.held)
     long = make(engine, prompt(250, 7), max_tokens=12, temperature=0, logprobs=1)  # 256, then 512
     shorts = [make(engine, prompt(3 + i % 5, 8 + i), max_tokens=14, temperature=0) for i in range(31)]  # 16, 32
     steps = []
-    moves = Moves(lambda: cache)
+    moves = Moves(engine.kv)
 
     def observe():
-        lengths = [(r.slab, r.length) for r in cache.rows]
-        spare = sum((slab.num_slots - len(slab.rows)) * cache.positions(capacity) for capacity, slab in cache.slabs.items())
-        steps.append((cache.nbytes, engine.stats()["kv_cache_bytes"], lengths, spare, classes(cache)))
+        lengths = [(r.slab, r.length) for r in engine.kv.rows]
+        spare = sum((c.num_slots - len(c.rows)) * cache.positions(capacity) for capacity, c in engine.kv.classes.items())
+        steps.append((cache.nbytes, engine.stats()["kv_cache_bytes"], lengths, spare, classes(engine)))
         moves()
 
     drive(engine, [long, *shorts], observe)
@@ -197,8 +201,8 @@ def test_memory_follows_the_positions_held(llama, tokenizer):
             assert spare <= 32 * 16 + held  # the first class's slots, and doubling
     assert peak and moves.most_classes == 3 and moves.moved_beside_others >= 2  # 16, 32 and 512 at once
     assert len(long.sequences[0].token_ids) == 12 and all(len(s.sequences[0].token_ids) == 14 for s in shorts)
-    engine.runner.on_idle()
-    assert classes(cache) == [(16, 4, 0)] and cache.nbytes == 4 * cache.positions(16) * per_position
+    engine.on_idle()
+    assert classes(engine) == [(16, 4, 0)] and cache.nbytes == 4 * cache.positions(16) * per_position
     assert engine.stats()["kv_cache_bytes"] == 4 * cache.positions(16) * per_position
 
 
@@ -207,10 +211,10 @@ def test_the_first_class_goes_back_to_its_initial_slots(engine4, llama):
     while they decode, and each emptied class is let go."""
     engine = engine4
     cache = engine.runner.cache
-    engine.runner.on_idle()
+    engine.on_idle()
     seen = []
     groups = [make(engine, prompt(2, 40 + i), max_tokens=12, temperature=0) for i in range(8)]
-    drive(engine, groups, lambda: seen.append(classes(cache)))
+    drive(engine, groups, lambda: seen.append(classes(engine)))
     assert seen[0] == [(4, 8, 8)]  # every prompt in the first class
     assert [(4, 4, 0), (16, 8, 8)] in seen  # all moved on (through 8 to 16): 4 slots again
     check_reference(llama[1], groups[0])
@@ -225,7 +229,7 @@ def test_rows_crossing_classes_give_the_numbers_they_give_alone(engine4, llama):
     alone = [drive(engine, [g])[0] for g in batch(engine)]
     for g in alone:
         assert all(len(s.token_ids) == g.params.max_tokens for s in g.sequences)
-    moves = Moves(lambda: engine.runner.cache)
+    moves = Moves(engine.kv)
     together = drive(engine, batch(engine), moves)
     assert moves.moved_beside_others >= 5 and moves.most_classes >= 3
     assert_same(answers(together), answers(alone))
@@ -244,7 +248,7 @@ def test_sliding_windows_in_several_classes(gemma3, tokenizer):
               make(engine, prompt(9, 22), max_tokens=20, temperature=0.9, seed=3, n=2),
               make(engine, prompt(14, 23), max_tokens=14, temperature=0, logprobs=1),
               make(engine, prompt(27, 24), max_tokens=8, temperature=0)]
-    moves = Moves(lambda: engine.runner.cache)
+    moves = Moves(engine.kv)
     drive(engine, groups, moves)
     assert moves.moved_beside_others >= 3 and moves.most_classes >= 3
     for g in groups:
@@ -258,17 +262,17 @@ def test_back_to_the_first_size_and_the_same_answers_again(engine4, llama):
     engine = engine4
     cache = engine.runner.cache
     per_position = bytes_per_position(llama[0])
-    engine.runner.on_idle()
+    engine.on_idle()
     initial = 4 * cache.positions(4) * per_position  # 4 slots of the first class (its positions: Attention.held)
-    assert classes(cache) == [(4, 4, 0)] and cache.nbytes == initial
+    assert classes(engine) == [(4, 4, 0)] and cache.nbytes == initial
     single = answers(drive(engine, batch(engine)[:1]))
     rounds = []
     for _ in range(2):
         largest = []
         rounds.append(answers(drive(engine, batch(engine), lambda: largest.append(cache.nbytes))))
         assert max(largest) > 4 * initial  # it grew
-        engine.runner.on_idle()
-        assert classes(cache) == [(4, 4, 0)] and cache.nbytes == initial
+        engine.on_idle()
+        assert classes(engine) == [(4, 4, 0)] and cache.nbytes == initial
         assert engine.stats()["kv_cache_bytes"] == initial
     assert_same(rounds[1], rounds[0], exact=True)
     assert_same(answers(drive(engine, batch(engine)[:1])), single, exact=True)
@@ -294,18 +298,18 @@ def test_rows_leaving_from_different_classes(engine4, llama):
                      stop_token_ids=frozenset({stop_c})),
                 make(engine, prompt(21, 34), max_tokens=30, temperature=0)]
     selects = []
-    real_select = engine.runner.select
+    real_select = engine.kv.select
 
     def select(group, keep):
-        selects.append((len(engine.runner.rows_of(group)), len(keep)))
-        real_select(group, keep)
+        selects.append((len(engine.kv.rows_of(group)), len(keep)))
+        return real_select(group, keep)
 
-    moves = Moves(lambda: engine.runner.cache)
-    engine.runner.select = select
+    moves = Moves(engine.kv)
+    engine.kv.select = select
     try:
         drive(engine, together, moves)
     finally:
-        del engine.runner.select
+        del engine.kv.select
     assert selects and all(0 < kept < rows for rows, kept in selects)  # choices ended before their siblings
     assert len(set(moves.left_from)) >= 3  # rows left from three classes or more
 

@@ -17,7 +17,6 @@ from fastapi.testclient import TestClient
 from logprobe.api.app import create_app
 from logprobe.config import Limits
 from logprobe.engine.engine import Engine
-from logprobe.engine.runners.kv_cache import Row, SlabCache
 
 TOL = 2e-5
 
@@ -67,7 +66,7 @@ def test_generation_past_the_caches_first_length_then_more_requests(long_client,
     """The reported bug: a 300-token generation grew the KV cache inside a decode step (inference mode);
     the next request's prompt could not be written into it, and every later generation answered 500."""
     cache = long_engine.runner.cache
-    assert list(cache.slabs) == [256]  # one size class, of the first capacity
+    assert list(long_engine.kv.classes) == list(cache.slabs) == [256]  # one size class, of the first capacity
     reference = reference_of(long_model)
     short = greedy(long_client, [5, 6, 7], 5, return_tokens_as_token_ids=True)
     classes = []  # the largest size class after each engine step
@@ -96,7 +95,7 @@ def test_cache_grows_and_shrinks_many_times(long_client, long_engine):
     # kernel splits a last block of 256 keys: Attention.held)
     per_slot = 2 * cache.num_layers * cache.kv_heads * cache.positions(256) * cache.head_dim * 4
 
-    def classes():
+    def classes():  # the memory's, which follows the manager's
         return [(capacity, slab.num_slots) for capacity, slab in cache.slabs.items()]
 
     want = None
@@ -114,36 +113,6 @@ def test_cache_grows_and_shrinks_many_times(long_client, long_engine):
         while classes() != initial and time.time() < deadline:  # the engine shrinks it when idle
             time.sleep(0.05)
         assert classes() == initial and cache.nbytes == 4 * per_slot
-
-
-def test_cache_writes_work_outside_inference_mode():
-    """The cache's own methods run in inference mode whoever calls them, and a failed add leaves it whole."""
-    import torch
-
-    cache = SlabCache(2, 2, 4, torch.float32, torch.device("cpu"), max_len=64, slots=1, capacity=4)
-    kv = [torch.randn(2, 10, 4) for _ in range(2)]
-    with torch.inference_mode():
-        cache.add([Row(None, 0)], kv, kv)  # a class of 16 made inside inference mode: inference tensors
-    cache.add([Row(None, 1)], kv, kv)  # outside it, the class grows and is written (this raised before)
-    assert len(cache.rows) == 2 and list(cache.slabs) == [4, 16] and cache.is_consistent()
-    torch.testing.assert_close(cache.slabs[16].keys[1][1, :, :10], kv[1])
-    row = cache.rows[0]
-    with torch.inference_mode():
-        cache.slabs[16].keys[1][row.slot, :, 10:] = 1.0  # decode steps filled its class
-    row.length = 16
-    want = cache.slabs[16].keys[1][row.slot].clone()
-    cache.make_room()  # outside inference mode: the full row moves into the class of 32
-    assert row.slab == 32 and cache.is_consistent() and [r.seq_index for r in cache.rows] == [1, 0]
-    torch.testing.assert_close(cache.slabs[32].keys[1][row.slot, :, :16], want)
-    torch.testing.assert_close(cache.slabs[16].keys[1][0, :, :10], kv[1])  # the other row, moved into slot 0
-    nbytes, classes = cache.nbytes, list(cache.slabs)
-    for length in (12, 40):  # into a class with room (16), and into a new one (64)
-        with pytest.raises(RuntimeError):
-            cache.add([Row(None, 2)], [torch.randn(3, length, 4)] * 2, [torch.randn(3, length, 4)] * 2)  # 3 heads
-        assert len(cache.rows) == 2 and cache.is_consistent()
-        assert cache.nbytes == nbytes and list(cache.slabs) == classes
-    cache.remove(cache.rows[0])
-    assert [r.seq_index for r in cache.rows] == [0] and cache.is_consistent()
 
 
 def metric(client, name):
@@ -185,7 +154,7 @@ def test_a_failed_step_fails_its_requests_resets_and_recovers(fresh, monkeypatch
     assert body["engine_failures"]["steps"] == 1 and body["last_error"]["type"] == "RuntimeError"
     while engine.num_in_flight:  # "ready" comes with the self-check's first step; it holds a row until its last
         time.sleep(0.01)
-    assert engine.runner.cache.rows == () and engine.runner.is_consistent(engine.scheduler.running)
+    assert engine.kv.rows == () and engine.runner.is_consistent(engine.scheduler.running)
     assert greedy(client, [5, 6, 7], 6) == want
     assert metric(client, 'logprobe_engine_failures_total{kind="step"}') == 1
     assert engine.num_in_flight == 0
@@ -219,9 +188,9 @@ def test_inconsistent_cache_after_a_request_failure_is_rebuilt(fresh, monkeypatc
     engine, client = fresh
     real = engine.runner.expand
 
-    def losing_expand(group, rows):
-        real(group, rows)
-        engine.runner.cache.slabs[engine.runner.rows_of(group)[-1].slab].rows.pop()  # corrupt the shared bookkeeping
+    def losing_expand(group, rows, ops):
+        real(group, rows, ops)
+        engine.kv.classes[rows[-1].slab].rows.pop()  # corrupt the shared bookkeeping
 
     monkeypatch.setattr(engine.runner, "expand", losing_expand)
     r = client.post("/v1/completions", json={"model": "long", "prompt": [5, 6], "max_tokens": 5})

@@ -37,9 +37,9 @@ def drive(engine, groups):
         engine._finish_dropped()
         if plan is not None:
             engine.step(plan)
-        assert engine.runner.is_consistent(scheduler.running)
+        assert engine.kv.is_consistent(scheduler.running) and engine.runner.is_consistent(scheduler.running)
     assert all(g.error is None and g.is_finished for g in groups)
-    assert not engine.runner.records and not engine.runner.cache.rows  # nothing kept of a finished request
+    assert not engine.runner.records and not engine.kv.rows  # nothing kept of a finished request
     return groups
 
 

@@ -81,8 +81,8 @@ def test_the_host_side_calls_only_the_contract(module):
 
 
 def test_groups_carry_no_runner_state(runners, tokenizer):
-    """A group prefilled and decoding on the lean runner has no runner attribute; its rows and prompt
-    state are in the runner's records, and gone when it is released."""
+    """A group prefilled and decoding on the lean runner has no runner attribute; its prompt state is in
+    the runner's records, its rows in the KV cache manager's, and both gone when it is released."""
     from logprobe.tokens import TokenTable
 
     runner = runners["lean"]
@@ -92,11 +92,11 @@ def test_groups_carry_no_runner_state(runners, tokenizer):
     runner.start_prompt(group)
     assert runner.prefill_chunks([(group, 100)])[0] is not None
     group.active_rows = [0]
-    runner.expand(group, 1)
+    runner.expand(group, *runner.kv.expand(group, group.num_prompt_tokens))
     assert set(vars(group)) == before
-    assert len(runner.rows_of(group)) == 1 and runner.is_consistent([group])
-    runner.release(group)
-    assert not runner.records and runner.cache.num_rows == 0
+    assert len(runner.rows_of(group)) == 1 and runner.is_consistent([group]) and runner.kv.is_consistent([group])
+    runner.release(group, runner.kv.release(group))
+    assert not runner.records and runner.kv.num_rows == 0 and runner.is_consistent([])
     assert "cache" not in vars(group) and "rows" not in vars(group)
 
 

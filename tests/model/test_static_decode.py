@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from logprobe.engine.runners.kv_cache import Slab
 from logprobe.engine.runners.lean import fixed_shape
 from logprobe.engine.engine import Engine
 from logprobe.engine.host.request import SamplingParams, SequenceGroup
@@ -94,9 +95,9 @@ def test_the_fixed_shape_step_answers_as_the_eager_one(kind, tokenizer, referenc
     # change of its slab would have given wrong numbers above. Fewer steps were made than passes ran.
     assert len(made) < len(passes)
     assert all(step.holds(static.runner.cache) for step in static.runner.fixed_shape.graphs.values())
-    static.runner.on_idle()
+    static.on_idle()
     assert not static.runner.fixed_shape.graphs
-    assert static.runner.cache.is_consistent()
+    assert static.runner.cache.matches(static.kv) and static.kv.is_consistent()
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])
@@ -212,8 +213,8 @@ def test_a_kept_step_is_dropped_when_its_slab_changes(tokenizer, reference_of):
         for step in range(12):
             if step == 5:  # the slab's tensors replaced by copies (same contents, new storage)
                 slab = next(iter(runner.cache.slabs.values()))
-                runner.cache._install(slab.capacity, [t.clone() for t in slab.keys],
-                                      [t.clone() for t in slab.values])
+                runner.cache.slabs = {**runner.cache.slabs, slab.capacity: Slab(
+                    slab.capacity, [t.clone() for t in slab.keys], [t.clone() for t in slab.values])}
             runner.static_decode = step < 8  # then eager steps, over the slab's current tensors
             engine.step(engine.scheduler.schedule())
     reference = reference_of(model)
@@ -282,7 +283,7 @@ def test_random_mixes_over_rounds_answer_as_the_eager_engine(tokenizer):
             engine.stop()
     assert any(picked) and not all(picked)  # both the pick in the step and the engine's ran
     assert any(scattered)  # and some steps had a group's rows out of order in the batch
-    assert static.runner.cache.is_consistent() and eager.runner.cache.is_consistent()
+    assert all(e.runner.cache.matches(e.kv) and e.kv.is_consistent() for e in (static, eager))
 
 
 def _cpp_compiler() -> bool:
@@ -368,4 +369,4 @@ def test_the_compiled_fixed_shape_step_answers_as_the_plain_one(kind, backend, t
     assert compiled.step_failures == 0 and plain.step_failures == 0
     # compiled at least once, as whole passes (hundreds of operations a graph, not fragments)
     assert traced and min(traced) > 100, traced
-    assert compiled.runner.cache.is_consistent() and plain.runner.cache.is_consistent()
+    assert all(e.runner.cache.matches(e.kv) and e.kv.is_consistent() for e in (compiled, plain))

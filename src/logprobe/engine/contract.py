@@ -5,9 +5,14 @@ size classes, the prefix cache) and `runner.ModelRunner` (transformers' forward,
 The core calls nothing else on a runner and never asks what one can do (no `hasattr`): what differs is
 said by `prefill_chunk_tokens` and `interleaves`.
 
-A runner keeps its per-request state (prefill buffers, cache rows, positions, a tree's keys and values)
-in its own records, keyed by the scheduler's group; the group (request.py) is written by the host side
-alone. `release(group)` drops that record, whatever state the group ended in.
+A runner keeps its per-request state (prefill buffers, a tree's keys and values) in its own records,
+keyed by the scheduler's group; the group (request.py) is written by the host side alone.
+`release(group, ops)` drops that record, whatever state the group ended in. Which rows of the batched KV
+cache each decoding group holds, where, and how long they are is the engine's KV cache manager's
+(host/kv_manager.py): the core asks it, and hands the runner its decisions as operations (`ops`) to
+carry out in order on the memory (`move`, and with `expand`, `select` and `release`). The lean runner
+keeps that memory (runners/kv_cache.py) and reads the manager's layout for its decode steps; the
+transformers runner keeps a cache per request and has no operation to carry out.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Iterator, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from .host.kv_manager import Op, Row
 from .runners.interventions import Edits
 from .runners.prefix_cache import PrefixCache
 from .runners.prompt_columns import PromptColumnWriter
@@ -72,12 +78,15 @@ class Runner(Protocol):
         """Tokens of the group's prompt whose keys and values the runner took from its prefix cache
         instead of computing them (0 for a runner without one); read as the prompt finishes."""
 
-    def expand(self, group: SequenceGroup, rows: int) -> None:
-        """The prompt is done and `rows` choices go on decoding: each gets its rows of the KV cache."""
+    def expand(self, group: SequenceGroup, rows: list[Row], ops: list[Op]) -> None:
+        """The prompt is done and its choices go on decoding: the manager's operations that make room
+        (`ops`), then each of `rows` (the manager's, one per choice) holding the prompt's keys and values."""
 
     # ---- decoding --------------------------------------------------------------------------
     def decode_groups(self, groups: list[SequenceGroup]) -> list[torch.Tensor]:
-        """One decode step of every active row of these groups: [rows, V] per group."""
+        """One decode step of every active row of these groups: [rows, V] per group. Every row has room
+        for its next position (the core carried out the manager's `make_room` first) and the core counts
+        it written after (`advance`)."""
 
     def decode_and_pick(self, groups: list[SequenceGroup], k: int) -> tuple[list[torch.Tensor], np.ndarray | None]:
         """`decode_groups`, and the rows' picks (sampler.pick's host array) where the runner picks them in
@@ -89,8 +98,13 @@ class Runner(Protocol):
         (`decode_groups`' answer, `prefill_chunks`' answer); None where the runner runs them apart (the
         engine then calls those two)."""
 
-    def select(self, group: SequenceGroup, keep: list[int]) -> None:
-        """Keep the group's rows at the places `keep` (the others finished)."""
+    def select(self, group: SequenceGroup, keep: list[int], ops: list[Op]) -> None:
+        """Keep the group's rows at the places `keep` (the others finished): the manager's operations that
+        free the others' slots."""
+
+    def move(self, ops: list[Op]) -> None:
+        """Carry out the KV cache manager's operations in order (rows kept in the prefix cache, moved into
+        another class or slot, classes grown or let go)."""
 
     def tree_pass(self, tree, hit) -> torch.Tensor:
         """A token tree's next level (its prompt first): [rows, V] raw log probabilities. `hit`: at the
@@ -116,17 +130,20 @@ class Runner(Protocol):
         ...
 
     # ---- state -----------------------------------------------------------------------------
-    def release(self, group) -> None:
-        """The group is done: drop its record (rows, buffers) whatever state it ended in."""
+    def release(self, group, ops: list[Op] = ()) -> None:
+        """The group is done: the manager's operations that free its rows, then drop its record (buffers)
+        whatever state it ended in."""
 
     def reset(self) -> None:
-        """After a failed step: forget every record and shared state (the engine failed their groups)."""
+        """After a failed step: forget every record and shared state (the engine failed their groups and
+        reset its KV cache manager: the memory starts afresh to match it)."""
 
     def is_consistent(self, running: list[SequenceGroup]) -> bool:
-        """Whether the shared state holds exactly the running groups' rows."""
+        """Whether the shared state holds exactly what the manager says the running groups hold."""
 
     def on_idle(self) -> None:
-        """The engine has nothing to do: hand back memory a busy spell took."""
+        """The engine has nothing to do (and carried out its manager's `shrink`): hand back memory a busy
+        spell took."""
 
     def cache_stats(self) -> dict:
         """/health's and /metrics' numbers: kv_cache_bytes, prefix_cache_bytes, prefix_cache_hits,

@@ -3,15 +3,19 @@
 A step is schedule (host/scheduler.py: which groups, which prompt chunks), run (the runner's forward
 passes, through the runner contract: contract.py), pick (the tokens, chosen on the device and brought to
 the host in one array, host/picks.py) and record (host/output_processor.py, no torch: tokens, stops,
-finish). Per-request work after a shared pass runs in `_per_request`, so a failure there fails that
-request only; a failure of the shared pass fails the step's requests and resets the runner. The count of
+finish). The KV cache's rows are the engine's KV cache manager's (host/kv_manager.py, no torch): the
+step asks it for room before a decode pass, counts the pass's positions after, and frees the rows of the
+choices that end; the runner carries out what it decides on the memory it keeps. Per-request work after
+a shared pass runs in `_per_request`, so a failure there fails that request only; a failure of the
+shared pass fails the step's requests and resets the manager and the runner. The count of
 failures and the self-check's schedule are the engine's health (host/health.py); constrained rows'
 grammar masks are computed beside the decode pass (device/grammar_masks.py). Engine (engine.py) adds the
 model, the thread and the async front.
 
-The engine's folder shows its parts: host/ (torch-free: what a request is, scheduling, what picks do on
-the host), runners/ (the model's passes and every tensor kept between them: the KV and prefix caches),
-device/ (picking and steering on the device after a pass), and here the loop that joins them.
+The engine's folder shows its parts: host/ (torch-free: what a request is, scheduling, the caches'
+decisions, what picks do on the host), runners/ (the model's passes and every tensor kept between them:
+the KV and prefix caches' memory), device/ (picking and steering on the device after a pass), and here
+the loop that joins them.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from .host.captures import capture_finished, wants_captures
 from .contract import Runner
 from .device.grammar_masks import GrammarMasks
 from .host.health import EngineHealth
+from .host.kv_manager import KVManager
 from .host.heap import trim_heap
 from .device.instruments import pick_with_instruments
 from .runners.interventions import Edits
@@ -48,12 +53,18 @@ class EngineCore:
     IDLE_WAIT_S = 0.5  # an empty inbox for this long after work is "idle"
 
     def __init__(self, runner: Runner, info: ModelInfo, table: TokenTable, check_ids: list[int],
-                 scheduling: SchedulerSettings = SchedulerSettings(), prefix_index: PrefixIndex | None = None):
+                 scheduling: SchedulerSettings = SchedulerSettings(), prefix_index: PrefixIndex | None = None,
+                 kv: KVManager | None = None):
         """`prefix_index`: the engine's prefix cache, which the runner keeps its keys and values in; the
-        scheduler finds a prompt's kept prefix there as it admits it (None: the runner keeps none)."""
+        scheduler finds a prompt's kept prefix there as it admits it (None: the runner keeps none).
+        `kv`: the engine's KV cache manager (host/kv_manager.py), the one the runner's memory follows
+        (None: a new one, for a runner that keeps a cache per request and carries out no operation)."""
         if not isinstance(runner, Runner):
             raise TypeError(f"{type(runner).__name__} does not implement the runner contract (engine/contract.py)")
         self.runner = runner
+        # which rows of the KV cache each running group holds, and every decision that moves them: the
+        # step calls it, the runner carries out what it decides
+        self.kv = KVManager(info.context_length) if kv is None else kv
         self.info = info
         self.table = table
         # a runner that prefills in chunks says how many tokens it takes per step beside decoding rows; one
@@ -98,7 +109,7 @@ class EngineCore:
                 elif self.num_steps != trimmed_at:
                     # idle for IDLE_WAIT_S after work: shrink the KV cache and hand freed memory back to
                     # the OS (not between back-to-back requests: malloc_trim costs milliseconds)
-                    self.runner.on_idle()
+                    self.on_idle()
                     trim_heap()
                     trimmed_at = self.num_steps
                 continue
@@ -108,9 +119,15 @@ class EngineCore:
             if plan is not None:
                 self._run_step(plan)
 
+    def on_idle(self) -> None:
+        """Nothing to do: the KV cache back to what its rows need (none: its first size), and the runner
+        hands back what a busy spell took."""
+        self.runner.move(self.kv.shrink())
+        self.runner.on_idle()
+
     def _finish_dropped(self) -> None:
         for group in self.scheduler.take_dropped():  # aborted: whoever awaits them learns it
-            self.runner.release(group)
+            self._release(group)
             if group.error is None:
                 group.error = RequestAborted(group.request_id)
             self._finish(group)
@@ -123,7 +140,7 @@ class EngineCore:
             log.exception("engine step failed for %s", ", ".join(g.request_id for g in plan.groups))
             self._step_failed(plan, exc)
             return
-        if not self.runner.is_consistent(self.scheduler.running):
+        if not self.kv.is_consistent(self.scheduler.running) or not self.runner.is_consistent(self.scheduler.running):
             # a request's failure after the shared pass left shared state out of step
             exc = RuntimeError("the KV cache is out of step with the running requests")
             log.error("%s after a step of %s", exc, ", ".join(g.request_id for g in plan.groups))
@@ -206,6 +223,7 @@ class EngineCore:
         """A decode step of `groups`, and the prompts' `chunks` (in the same pass where the runner can)."""
         k = max(g.params.logprobs or 0 for g in groups)
         prefilled = None
+        self.runner.move(self.kv.make_room())  # a row whose size class is full moves into the next one
         with self.grammar_masks.beside(groups) as pending:  # on the grammar thread while the forward pass runs
             both = self.runner.decode_with_prefill(groups, chunks) if chunks else None
             if both is not None:
@@ -214,6 +232,7 @@ class EngineCore:
                 logprob_rows, host = self.runner.decode_groups(groups), None
             else:  # the runner may pick the tokens in its recorded pass
                 logprob_rows, host = self.runner.decode_and_pick(groups, k)
+        self.kv.advance()  # every row's next position is written
         for group, future in pending.items():
             self._per_request(group, self.grammar_masks.take, future)
         if host is None:
@@ -250,7 +269,7 @@ class EngineCore:
         num_rows = len(group.active_rows)
         keep = self.outputs.record(group, pick)
         if expanded and keep and len(keep) < num_rows:
-            self.runner.select(group, keep)
+            self.runner.select(group, keep, self.kv.select(group, keep))
 
     def _prefill(self, chunks: list[Chunk], done: list | None = None) -> None:
         """The prompts' chunks (`done`: their answers where a shared pass ran them already)."""
@@ -270,7 +289,7 @@ class EngineCore:
             rows = logprob_rows.expand(len(group.active_rows), -1)
             self._record(group, rows, pick_plain_groups([group], [rows])[0], expanded=False)
             if not group.is_finished:  # rows for the choices that go on (none for a one-token answer)
-                self.runner.expand(group, len(group.active_rows))
+                self.runner.expand(group, *self.kv.expand(group, group.num_prompt_tokens))
         self.scheduler.prefilled(group)
         self._after_step(group)
 
@@ -318,9 +337,13 @@ class EngineCore:
         group.edits = Edits.resolve(group.params.interventions, group.num_prompt_tokens, self.runner.device,
                                     lambda ids, layer: self.runner.residual_stream(ids, [layer])[layer])
 
+    def _release(self, group) -> None:
+        """The group is done: the manager frees its KV rows, the runner carries that out and drops its record."""
+        self.runner.release(group, self.kv.release(group))
+
     def _after_step(self, group: SequenceGroup) -> None:
         if group.is_finished:
-            self.runner.release(group)
+            self._release(group)
             if wants_captures(group):  # read in the next step (Plan.captures), which then reports it
                 self.scheduler.capture(group)
                 return
@@ -363,7 +386,7 @@ class EngineCore:
     def _fail(self, group: SequenceGroup, exc: BaseException) -> None:
         group.error = exc
         try:
-            self.runner.release(group)
+            self._release(group)
         except Exception:
             log.exception("releasing %s failed", group.request_id)
         finally:
@@ -393,6 +416,7 @@ class EngineCore:
                 self._fail(group, exc)
             else:
                 self.scheduler.finished(group)
+        self.kv.reset()
         try:
             self.runner.reset()
         except Exception:

@@ -17,6 +17,7 @@ from ..backend import (Delta, GenerationOutput, GenerationRequest, ModelInfo, St
                        run_to_end)
 from .core import EngineCore
 from .host.heap import trim_heap
+from .host.kv_manager import KVManager
 from .host.request import SequenceGroup
 from .host.streaming import attach_releasers
 from .host.tree import group_for
@@ -91,15 +92,19 @@ class Engine(EngineCore):
         # the prefix cache: the engine's, its index read by the scheduler, its memory the lean runner's
         # (the transformers runner keeps none)
         self.prefix_cache = PrefixCache(prefix_cache_mb * 2**20) if use_fast else None
+        # the KV cache manager: the engine's, which rows each running group holds where; the lean runner's
+        # memory carries out its decisions (the transformers runner keeps a cache per request)
+        kv = KVManager(self.info.context_length, capacity=kv_cache_positions, prefix_index=self.prefix_cache,
+                       keep_generated=grids is None)
         self.runner = (lean.LeanRunner(model, grids, max_len=self.info.context_length, kv_positions=kv_cache_positions,
-                                       prefix_cache=self.prefix_cache)
+                                       prefix_cache=self.prefix_cache, kv=kv)
                        if use_fast else ModelRunner(model))
         self.info.quantization = "int4" if grids is not None else None
         self.info.runner = "lean" if use_fast else "transformers"
         trim_heap()  # hand back what loading and packing freed (the weights' released copies)
         super().__init__(self.runner, self.info, self.table,
                          check_ids=(tokenizer("The", add_special_tokens=True).input_ids or [0])[:4],
-                         scheduling=scheduling, prefix_index=self.prefix_cache)
+                         scheduling=scheduling, prefix_index=self.prefix_cache, kv=kv)
         self._thread: threading.Thread | None = None
         self._running_by_id: dict[str, list[SequenceGroup]] = {}
 
@@ -131,7 +136,7 @@ class Engine(EngineCore):
         if self.prefix_cache is None:
             raise ValueError("the transformers runner keeps no prefix cache")
         replaced = self.prefix_cache
-        self.prefix_cache = self.runner.prefix_cache = self.scheduler.prefix_index = cache
+        self.prefix_cache = self.runner.prefix_cache = self.scheduler.prefix_index = self.kv.prefix_index = cache
         return replaced
 
     def start(self) -> None:

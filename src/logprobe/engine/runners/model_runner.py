@@ -268,17 +268,22 @@ class ModelRunner:
         engine picks them itself."""
         return self.decode_groups(groups), None
 
-    def expand(self, group: SequenceGroup, rows: int) -> None:
-        if rows > 1:
-            self.caches[group].batch_repeat_interleave(rows)
+    def expand(self, group: SequenceGroup, rows: list, ops: list) -> None:
+        """The group's cache repeated for each of its `rows` (the KV cache manager's operations are for a
+        shared cache: this runner keeps one per request, and has none to carry out)."""
+        if len(rows) > 1:
+            self.caches[group].batch_repeat_interleave(len(rows))
 
-    def select(self, group: SequenceGroup, keep: list[int]) -> None:
+    def select(self, group: SequenceGroup, keep: list[int], ops: list) -> None:
         self.caches[group].batch_select_indices(torch.tensor(keep, dtype=torch.long))
+
+    def move(self, ops: list) -> None:
+        """Nothing to move: a cache per request, no shared one (the manager's bookkeeping is kept all the same)."""
 
     def prompt_columns(self, group: SequenceGroup) -> PromptColumns | None:
         return self.columns_of.pop(group, None)
 
-    def release(self, group) -> None:
+    def release(self, group, ops: list = ()) -> None:
         self.caches.pop(group, None)
         self.columns_of.pop(group, None)
 

@@ -5,7 +5,7 @@ bookkeeping the engine's step loop calls."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Generator, Iterator
 
 import numpy as np
@@ -13,9 +13,10 @@ import torch
 
 from ..families import family_of
 from ..interventions import Edits, segment_editor
-from ..kv_cache import Row, SlabCache
+from ..kv_cache import KVMemory
 from ..prefix_cache import PrefixCache
 from ..prompt_columns import CaptureDone, PromptColumnWriter, drain, logit_lens
+from ...host.kv_manager import KVManager, Op, Row
 from ...host.request import PromptColumns, SequenceGroup
 from ...device.sampler import BatchSettings, to_device
 from .attention import Attention, PassMeta, SlabRows
@@ -31,12 +32,10 @@ log = logging.getLogger("logprobe.engine")
 @dataclass
 class GroupRecord:
     """What the runner keeps of one group (a request's prompt and its choices, or a token tree) while it
-    runs: its prompt's state while prefilled, then its rows of the KV cache (one per choice still
-    decoding, in the order of the group's `active_rows`); a tree's keys and values. The scheduler's
-    groups carry none of it."""
+    runs: its prompt's state while prefilled; a tree's keys and values. Its rows of the KV cache are the
+    engine's KV cache manager's (host/kv_manager.py). The scheduler's groups carry none of it."""
 
     prefill: PrefillState | None = None
-    rows: list[Row] = field(default_factory=list)
     tree: object = None  # lean/tree.py's TreeKV
     cached: int = 0  # prompt tokens taken from the prefix cache instead of a pass
     columns: PromptColumns | None = None  # the prompt's columns, filled as its passes run, until handed over
@@ -51,9 +50,13 @@ class LeanRunner:
     RELEASE_PACKED = True  # see weights.release_packed; tests turn it off to compare with an engine that keeps both
 
     def __init__(self, model, int4_grids: dict | None = None, max_len: int | None = None, kv_positions: int = 256,
-                 static_decode: bool | None = None, prefix_cache: PrefixCache | None = None):
+                 static_decode: bool | None = None, prefix_cache: PrefixCache | None = None,
+                 kv: KVManager | None = None):
         """`prefix_cache`: the engine's (engine.py makes it; the scheduler finds prompts' hits in it);
-        None: one of its own, of 256 MB (a runner built without an engine: tests, benchmarks)."""
+        None: one of its own, of 256 MB (a runner built without an engine: tests, benchmarks). `kv`: the
+        engine's KV cache manager, whose layout the decode steps read and whose operations this runner's
+        memory carries out (None: one of its own, first class `kv_positions`, for a runner without an
+        engine)."""
         family, reason = family_of(model)
         if family is None:
             raise ValueError(f"the lean runner cannot run this model: {reason}")
@@ -88,8 +91,6 @@ class LeanRunner:
                      released / 2**20)
         self.columns = PromptColumnWriter(self.logprobs_of, self.vocab_size)
         self.kv_positions = kv_positions
-        self.cache = SlabCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device,
-                               max_len=max_len, capacity=kv_positions, positions=self._slab_positions)
         # Decode steps of fixed shapes (fixed_shape.py), replayed as CUDA graphs on a GPU; on a CPU (tests)
         # run eagerly. `pick_in_step`: whether such a step also picks the tokens (sampler.pick) in its
         # recorded pass, where no row filters; off, the engine picks after it (benchmarks/gpu_check.py
@@ -100,6 +101,13 @@ class LeanRunner:
         # Keys and values of sequences already run, kept across requests of every kind (prefix_cache.py);
         # bounded by bytes, kept when idle, 0 turns it off.
         self.prefix_cache = PrefixCache(256 * 2**20) if prefix_cache is None else prefix_cache
+        # The batched KV cache: where rows go is the engine's manager's (host/kv_manager.py), the memory
+        # this runner's (kv_cache.py), made to match it
+        self.kv = KVManager(max_len, capacity=kv_positions, prefix_index=self.prefix_cache,
+                            keep_generated=not self.int4) if kv is None else kv
+        self.cache = KVMemory(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device,
+                              positions=self._slab_positions)
+        self.cache.reset(self.kv)
         self.records: dict[object, GroupRecord] = {}  # per group that holds state here
         self.prompt_batches = PromptBatches(self)
 
@@ -293,20 +301,31 @@ class LeanRunner:
         return 0 if record is None else record.cached
 
     def rows_of(self, group: SequenceGroup) -> list[Row]:
-        record = self.records.get(group)
-        return [] if record is None else record.rows
+        return self.kv.rows_of(group)
 
     @torch.inference_mode()
-    def expand(self, group: SequenceGroup, rows: int) -> None:
-        """The prompt is done: give each choice still going a slot holding the prompt's keys and values."""
+    def expand(self, group: SequenceGroup, rows: list[Row], ops: list[Op]) -> None:
+        """The prompt is done: the room the manager made (`ops`), then each choice's slot (`rows`) filled
+        with the prompt's keys and values."""
+        self.move(ops)
         record = self.record(group)
         state, num = record.prefill, group.num_prompt_tokens
-        handles = [Row(group, seq_index) for seq_index in group.active_rows]
-        # all of them, or none (then nothing to release)
-        self.cache.add(handles, [k[:, :num] for k in state.keys], [v[:, :num] for v in state.values])
-        record.rows = handles
+        keys, values = [k[:, :num] for k in state.keys], [v[:, :num] for v in state.values]
+        for row in rows:
+            self.cache.write(row.slab, row.slot, keys, values)
         record.prefill = None
         state.release(self.prefix_cache)
+
+    @torch.inference_mode()
+    def move(self, ops: list[Op]) -> None:
+        """Carry out the KV cache manager's operations (a row's keys kept in the prefix cache, rows moved,
+        classes grown or let go), in order."""
+        if ops:
+            self.cache.apply(ops, self._keep)
+
+    def _keep(self, ids: list[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """A finished first choice's keys and values into the prefix cache (the manager's `Keep`)."""
+        self.prefix_cache.insert(ids, keys, values, None)
 
     @torch.inference_mode()
     def tree_pass(self, tree, hit=None) -> torch.Tensor:
@@ -330,13 +349,13 @@ class LeanRunner:
         return self._decode(groups, k)
 
     def _decode_batch(self, held: list[list[Row]]) -> tuple[list, list[Row], np.ndarray]:
-        """A decode step's batch, once every row has room for one more position: (the slabs holding rows,
-        the rows slab by slab in slot order, each row's [last token, position])."""
-        cache = self.cache
-        if cache.num_rows != sum(len(r) for r in held):
+        """A decode step's batch, every row with room for one more position (the manager's `make_room`,
+        which the engine's step carried out before): (the classes holding rows, as their memory with their
+        rows, the rows class by class in slot order, each row's [last token, position])."""
+        kv = self.kv
+        if kv.num_rows != sum(len(r) for r in held):
             raise RuntimeError("the KV cache is out of step with the running groups")
-        cache.make_room()  # a row whose size class is full moves into the next one
-        slabs = [slab for slab in cache.slabs.values() if slab.rows]
+        slabs = [self.cache.slab(kv, capacity) for capacity, c in kv.classes.items() if c.rows]
         rows = [r for slab in slabs for r in slab.rows]
         table = np.array([(r.group.sequences[r.seq_index].token_ids[-1], r.length) for r in rows], dtype=np.int64)
         return slabs, rows, table
@@ -363,11 +382,10 @@ class LeanRunner:
         inputs = to_device(table, torch.int64, self.device)  # one copy, queued behind the work already launched
         logprobs = picked = None
         if static:
-            logprobs, picked = self.fixed_shape.run(slabs[0], inputs, picking, max(r.length for r in rows) + 1)
+            logprobs, picked = self.fixed_shape.run(self.cache.slabs[slabs[0].capacity], inputs, picking,
+                                                    max(r.length for r in rows) + 1)
         if logprobs is None:
             logprobs = self._decode_eager(slabs, rows, inputs[:, :2])
-        for r in rows:
-            r.length += 1
         orders = self._orders(slabs, held)
         host = None
         if picked is not None:
@@ -398,8 +416,6 @@ class LeanRunner:
         edit = segment_editor([(0, i, i + 1, r.group.edits) for i, r in enumerate(rows)] +
                               [(0, n + start, n + stop, edits) for _, start, stop, edits in segments])
         hidden = self.forward(torch.cat([inputs[:, 0], chunk_ids[0]])[None], meta, edit=edit)[0]
-        for r in rows:
-            r.length += 1
         out, finished = finish_chunks(self, chunks, parts, hidden[n:])
         logprobs = self.logprobs_of(torch.cat([hidden[:n], *finished]) if finished else hidden[:n])
         out = [None if o is None else logprobs[n + o:n + o + 1] for o in out]
@@ -446,65 +462,39 @@ class LeanRunner:
 
     # ---- bookkeeping -------------------------------------------------------------------------
     @torch.inference_mode()
-    def select(self, group: SequenceGroup, keep: list[int]) -> None:
-        """Keep the group's rows at the places `keep`; the others' slots are freed (a finished first
-        choice's keys and values kept in the prefix cache first)."""
-        record, kept = self.record(group), []
-        for position, row in enumerate(record.rows):
-            if position in keep:
-                kept.append(row)
-            else:
-                self._leave(group, row)
-        record.rows = kept
+    def select(self, group: SequenceGroup, keep: list[int], ops: list[Op]) -> None:
+        """The group keeps its rows at the places `keep`: the manager's operations that free the others'
+        slots (a finished first choice's keys and values kept in the prefix cache first)."""
+        self.move(ops)
 
     @torch.inference_mode()
-    def release(self, group) -> None:
-        """The group is done (finished, aborted or failed): its rows' slots are freed and its record
-        dropped; a finished or aborted group's first choice is kept in the prefix cache."""
+    def release(self, group, ops: list[Op] = ()) -> None:
+        """The group is done (finished, aborted or failed): the manager's operations that free its rows'
+        slots (a finished or aborted group's first choice kept in the prefix cache first), and its record
+        dropped."""
+        self.move(list(ops))
         record = self.records.pop(group, None)
-        if record is None:
-            return
-        for row in record.rows:
-            if row.slot >= 0:
-                self._leave(group, row)
-        if record.prefill is not None:
+        if record is not None and record.prefill is not None:
             record.prefill.release(self.prefix_cache)
 
-    def _leave(self, group: SequenceGroup, row: Row) -> None:
-        """Free a row's slot. The first choice of a group that did not fail leaves its prompt and what it
-        generated in the prefix cache (the last token picked never ran: its keys are not there); with
-        4-bit weights its prompt only (a later prompt with its text computes those keys otherwise)."""
-        if row.seq_index == 0 and group.error is None and not group.params.interventions and \
-                self.prefix_cache.enabled and self.cache.holds(row):
-            ids = group.prompt_ids + group.sequences[0].token_ids[:row.length - group.num_prompt_tokens]
-            if self.int4:  # its generated tokens' keys came from the 4-bit weights; a prompt's from the dense
-                ids = ids[:group.num_prompt_tokens]
-            if not self.prefix_cache.covers(ids):
-                slab = self.cache.slabs[row.slab]
-                self.prefix_cache.insert(ids, [k[row.slot, :, :row.length] for k in slab.keys],
-                                         [v[row.slot, :, :row.length] for v in slab.values], None)
-        self.cache.remove(row)
-
     def reset(self) -> None:
-        """Forget every row and start from a new cache of the first size (after a failed step: the
-        engine has failed every group that held a row); the prefix cache is emptied too."""
+        """Forget every record and start from new KV memory matching the manager's classes (after a failed
+        step: the engine has failed every group that held a row, and reset its manager); the prefix cache
+        is emptied too."""
         self.fixed_shape.graphs.clear()
         self.prefix_cache.clear()  # nothing kept from a step that failed
         # the engine failed (and released) every group of the step and every one holding KV rows; a
         # prompt-only pass the step did not advance (paused for it) keeps its record (its hit, its columns)
-        self.records = {g: r for g, r in self.records.items() if not (r.rows or r.prefill or r.tree)}
-        self.cache = SlabCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device,
-                               max_len=self.cache.max_len, capacity=self.kv_positions, positions=self._slab_positions)
+        self.records = {g: r for g, r in self.records.items() if not (r.prefill or r.tree)}
+        self.cache.reset(self.kv)
 
     def is_consistent(self, running: list[SequenceGroup]) -> bool:
-        """Whether the cache's bookkeeping is whole and holds exactly the running groups' rows, each where
-        its handle says."""
-        rows = [(g, row) for g in running for row in self.rows_of(g)]
-        return self.cache.is_consistent() and self.cache.num_rows == len(rows) and \
-            all(row.group is g and self.cache.holds(row) for g, row in rows)
+        """Whether the KV memory holds exactly the manager's classes (whose bookkeeping the engine
+        checks: `KVManager.is_consistent`) and no operation failed part-way."""
+        return self.cache.matches(self.kv)
 
     def on_idle(self) -> None:
-        self.cache.shrink()
+        """The engine is idle (and has carried out its manager's `shrink`): let the fixed-shape steps go."""
         self.fixed_shape.graphs.clear()
 
     @property
