@@ -178,7 +178,7 @@ def families(device, tokenizer):
                     if hasattr(engine.runner, "prompt_batches"):
                         batches = engine.runner.prompt_batches
                         plain = batches.run_shared
-                        batches.run_shared = lambda gs, cs: shared.append(cs) or plain(gs, cs)
+                        batches.run_shared = lambda gs, cs, *rest: shared.append(cs) or plain(gs, cs, *rest)
                     run_groups(engine, groups + scored)
                 finally:
                     engine.stop()

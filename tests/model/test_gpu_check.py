@@ -1,6 +1,9 @@
-"""The GPU check's same-bits section (benchmarks/gpu_check.py `invariance_runs`), run here on the CPU so
-that it works when a device is lent: on a tiny Llama it finds the same bits beside 1 and 15 requests of
-every kind, and it finds the difference where a request's numbers move with the rows beside it."""
+"""The GPU check (benchmarks/gpu_check.py), its sections that check numbers run here on the CPU so that
+they work when a device is lent (a device's time is scarce: a section broken by a change of the engine's
+interfaces would spend it for nothing). The same-bits section (`invariance_runs`): on a tiny Llama it
+finds the same bits beside 1 and 15 requests of every kind, and it finds the difference where a
+request's numbers move with the rows beside it. The families section: every family's tiny model, in
+float32 and bfloat16, against its float64 forward, the shared-prefix scoring pass run on the lean runner."""
 
 from __future__ import annotations
 
@@ -55,3 +58,11 @@ def test_a_number_that_moves_with_the_rows_beside_it_is_found(gpu_check, engine,
     assert not out["passed"] and not beside["same_bits"]
     assert {"greedy", "sampled"} <= set(beside["differ"])
     assert 0 < beside["max_abs_difference"] < 1e-3
+
+
+def test_the_families_section_runs_and_passes(gpu_check, tokenizer):
+    out = gpu_check.families(torch.device("cpu"), tokenizer)
+    assert out["passed"], out
+    assert not [name for name, v in out.items() if name != "passed" and "error" in v]
+    assert all(v["shared_prefix_ran"] for name, v in out.items() if name != "passed" and v["runner"] == "lean")
+    assert max(v["max_abs_error"] for name, v in out.items() if name.endswith("float32")) < 1e-4
