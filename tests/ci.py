@@ -14,7 +14,12 @@ tests at both ends of every dependency range (tests/version_ranges.py), side by 
   it; the servers and CLI processes the tests start inherit it): several processes whose torch each
   keeps a team of OpenMP threads as large as the machine make those threads wait on each other at
   every parallel region. Measured on 2 vCPUs, four processes of small matrix products: 10 s each on one
-  thread, 64-77 s each on two.
+  thread, 64-77 s each on two. The tests that ask for two threads themselves (a server's thread count on
+  2 vCPUs: the kernels' paths differ) wait at their parallel regions without spinning
+  (`OMP_WAIT_POLICY=PASSIVE`): a thread that spins while its partner waits for a CPU burns the time the
+  partner needs. Measured on 2 vCPUs with one core busy at normal priority, two processes at nice 19
+  each running the 2-thread attention tests (tests/model/test_attention_reads.py): 202 s each spinning,
+  16 s each passive; in the range ends of a CI run four such tests had taken 56-285 s each.
 - `--serial` runs the three parts one after another, the suite on one process, torch on its own default
   threads.
 - `--coverage` runs the suite under coverage.py (`[tool.coverage.run]` in pyproject.toml: the server and CLI
@@ -46,8 +51,9 @@ ENDS = ["lowest", "highest"]
 # (cluster/ray_app.py): at nice 10 the range ends' tests took the suite's Ray workers' CPU, and its Ray
 # Data module ran ~20 minutes instead of ~4.
 NICE = 19
-# One compute thread per test process when the parts run side by side (above).
-ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+# One compute thread per test process when the parts run side by side, and passive waits where a test asks
+# for more (above).
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
 
 
 class Part:
