@@ -73,17 +73,33 @@ def check(kv: KVManager, memory: KVMemory, live: list) -> None:
         assert row.slab <= max(FIRST, 2 * row.length)  # a row's class is at most twice its length
 
 
-def write(memory: KVMemory, row, start: int) -> None:
-    """Positions start..row.length of the row's tokens into its slot (a prompt, or a decode step's one)."""
-    ids = torch.tensor(tokens_of(row)[start:row.length], dtype=torch.float32)[None, :, None]
+def write(memory: KVMemory, row, start: int = 0, stop: int | None = None) -> None:
+    """Positions start..stop-1 (stop: the row's length) of the row's tokens into its slot (a prompt, or a
+    decode step's one position)."""
+    stop = row.length if stop is None else stop
+    ids = torch.tensor(tokens_of(row)[start:stop], dtype=torch.float32)[None, :, None]
     if start == 0:  # a prompt's: as the runner's `expand` writes it
         memory.write(row.slab, row.slot, [ids] * memory.num_layers, [ids] * memory.num_layers)
         return
     slab = memory.slabs[row.slab]
     with torch.inference_mode():  # as a decode pass writes its position
         for layer in range(memory.num_layers):
-            slab.keys[layer][row.slot, :, start:row.length] = ids
-            slab.values[layer][row.slot, :, start:row.length] = ids
+            slab.keys[layer][row.slot, :, start:stop] = ids
+            slab.values[layer][row.slot, :, start:stop] = ids
+
+
+def decode_step(kv: KVManager, memory: KVMemory, keep=None) -> list:
+    """What an engine's decode step does to the cache: the manager's room made (its operations carried
+    out, returned), each row's last token written at its next position, the positions counted, and each
+    row's next token picked."""
+    ops = kv.make_room()
+    memory.apply(ops, keep)
+    for row in kv.rows:
+        write(memory, row, row.length, row.length + 1)
+    kv.advance()
+    for row in kv.rows:
+        pick(row)
+    return ops
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -102,21 +118,13 @@ def test_random_steps_keep_every_rows_tokens_where_the_manager_says(seed):
             rows, ops = kv.expand(g, g.num_prompt_tokens)
             memory.apply(ops, index.keep)
             for row in rows:
-                write(memory, row, 0)
+                write(memory, row)
                 pick(row)
             live.append(g)
         elif action == "decode" and kv.rows:
-            ops = kv.make_room()
+            ops = decode_step(kv, memory, index.keep)
             seen["moves"] += sum(isinstance(op, Move) and op.source != op.capacity for op in ops)
             seen["grown"] += sum(isinstance(op, Alloc) and op.keep > 0 for op in ops)
-            memory.apply(ops, index.keep)
-            for row in kv.rows:  # the step writes each row's last token at its next position
-                row.length += 1
-                write(memory, row, row.length - 1)
-                row.length -= 1
-            kv.advance()
-            for row in kv.rows:
-                pick(row)
             seen["classes"] = max(seen["classes"], sum(1 for c in kv.classes.values() if c.rows))
             for g in [g for g in live if any(r.length >= MAX_LEN - 2 for r in kv.rows_of(g))]:  # at the context
                 memory.apply(kv.release(g), index.keep)
@@ -161,17 +169,10 @@ def test_keys_of_generated_tokens_are_kept_only_where_the_manager_says():
         rows, ops = kv.expand(g, 5)
         memory.apply(ops)
         for row in rows:
-            write(memory, row, 0)
+            write(memory, row)
             pick(row)
         for _ in range(2):
-            memory.apply(kv.make_room())
-            for row in kv.rows:
-                row.length += 1
-                write(memory, row, row.length - 1)
-                row.length -= 1
-            kv.advance()
-            for row in kv.rows:
-                pick(row)
+            decode_step(kv, memory)
         memory.apply(kv.release(g), index.keep)
         assert [len(ids) for ids in index.kept] == [want]  # the first choice only; its last pick never ran
 
@@ -186,11 +187,11 @@ def test_memory_works_outside_inference_mode_and_says_when_an_operation_failed()
     with torch.inference_mode():  # a class of 16 made inside inference mode: inference tensors
         rows, ops = kv.expand(first, 10)
         memory.apply(ops)
-        write(memory, rows[0], 0)
+        write(memory, rows[0])
     second = group(2, 10, 1)
     rows, ops = kv.expand(second, 10)  # outside it, the class grows and is written
     memory.apply(ops)
-    write(memory, rows[0], 0)
+    write(memory, rows[0])
     assert list(memory.slabs) == [4, 16] and memory.slabs[16].num_slots == 2
     check(kv, memory, [first, second])
     memory.apply(kv.release(first))  # the other row moves into slot 0, outside inference mode
@@ -198,7 +199,7 @@ def test_memory_works_outside_inference_mode_and_says_when_an_operation_failed()
     third = group(3, 3, 1)
     rows, ops = kv.expand(third, 3)
     memory.apply(ops)
-    write(memory, rows[0], 0)
+    write(memory, rows[0])
     check(kv, memory, [second, third])
     with pytest.raises(KeyError):
         memory.apply([Move(999, 0, 4, 0, 3)])  # a class the memory does not hold
