@@ -160,6 +160,38 @@ def test_a_failed_step_fails_its_requests_resets_and_recovers(fresh, monkeypatch
     assert engine.num_in_flight == 0
 
 
+def test_a_kv_memory_operation_that_fails_part_way_is_a_failed_step_and_later_answers_keep_their_bits(
+        fresh, monkeypatch):
+    """The KV cache manager has decided a row's move into the next size class, and the runner's memory runs
+    out while making that class (an out-of-memory in `KVMemory`): the step's request fails (500), the
+    manager and the memory start afresh, and the same 270-token generation afterwards has the bits it had
+    before the failure, its row crossing the same class boundary."""
+    engine, client = fresh
+    want = greedy(client, [5, 6, 7], 270, return_tokens_as_token_ids=True)
+    memory = engine.runner.cache
+    real = memory._alloc
+    failed = []
+
+    def alloc(op):
+        if op.capacity > 256 and not failed:
+            failed.append(op)
+            raise MemoryError("injected: no memory for a larger size class")
+        real(op)
+
+    monkeypatch.setattr(memory, "_alloc", alloc)
+    r = client.post("/v1/completions", json={"model": "long", "prompt": [5, 6, 7], "max_tokens": 270,
+                                             "temperature": 0})
+    assert failed and r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
+    assert "injected" not in r.text
+    monkeypatch.undo()
+    body = wait_health(client, "ready")
+    assert body["engine_failures"]["steps"] == 1 and body["last_error"]["type"] == "MemoryError"
+    while engine.num_in_flight:  # the self-check holds a row until its last step
+        time.sleep(0.01)
+    assert engine.kv.rows == () and engine.runner.cache.matches(engine.kv)
+    assert greedy(client, [5, 6, 7], 270, return_tokens_as_token_ids=True) == want
+
+
 def test_a_broken_engine_says_so(fresh, monkeypatch):
     """When every step fails, /health answers 503 "failing" with the error's class, not "ready"."""
     engine, client = fresh

@@ -135,7 +135,7 @@ class KVManager:
     def is_consistent(self, running=None) -> bool:
         """Whether the bookkeeping is whole: in every class, slots 0..n-1 used by its n rows, in order, each
         row within the class's capacity and naming it; classes in ascending capacity; no row held twice;
-        every row a group's. With `running`: exactly the running groups hold rows."""
+        every row a group's. With `running`: no group outside it holds a row."""
         capacities = list(self.classes)
         if capacities != sorted(capacities):
             return False
@@ -156,8 +156,8 @@ class KVManager:
     def expand(self, group, length: int) -> tuple[list[Row], list[Op]]:
         """A prompt of `length` tokens is done and the group's active choices go on decoding: each gets a
         slot in the smallest class with room for the prompt and one more position (the class grows once
-        for all of them, if it must). The rows (the runner writes the prompt's keys and values in their slots), and
-        the operations that make the room."""
+        for all of them, if it must). The rows (the runner writes the prompt's keys and values in their
+        slots), and the operations that make the room."""
         if group in self.held:
             raise RuntimeError(f"{getattr(group, 'request_id', group)} holds KV rows already")
         capacity = self.class_for(length + 1)
