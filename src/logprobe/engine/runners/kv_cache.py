@@ -97,7 +97,8 @@ class KVMemory:
                 elif isinstance(op, Keep):
                     slab, n = self.slabs[op.capacity], len(op.ids)
                     if keep is not None:
-                        keep(list(op.ids), [k[op.slot, :, :n] for k in slab.keys], [v[op.slot, :, :n] for v in slab.values])
+                        keep(list(op.ids), [k[op.slot, :, :n] for k in slab.keys],
+                             [v[op.slot, :, :n] for v in slab.values])
                 elif isinstance(op, Drop):
                     self.slabs = {c: slab for c, slab in self.slabs.items() if c != op.capacity}
                 else:
