@@ -20,6 +20,12 @@ tests at both ends of every dependency range (tests/version_ranges.py), side by 
   partner needs. Measured on 2 vCPUs with one core busy at normal priority, two processes at nice 19
   each running the 2-thread attention tests (tests/model/test_attention_reads.py): 202 s each spinning,
   16 s each passive; in the range ends of a CI run four such tests had taken 56-285 s each.
+- The disk: a range environment takes ~9-10 GiB while pip builds it and ~6 GiB once built (PyPI's torch
+  build carries CUDA's libraries; tests/version_ranges.py). The second build starts beside the first
+  only where the free space holds both (`BUILD_ROOM` each, counted from the space free when it would
+  start); else it waits for the first to end. A build that fails (a full disk, a download cut off) is
+  built again in a new environment once no other build is under way. The free space under the checkout
+  is printed at the end: at the start, and the least seen (every 5 s).
 - `--serial` runs the three parts one after another, the suite on one process, torch on its own default
   threads.
 - `--coverage` runs the suite under coverage.py (`[tool.coverage.run]` in pyproject.toml: the server and CLI
@@ -33,7 +39,9 @@ pyproject.toml) above it. The exit status is the first non-zero one of the parts
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -54,6 +62,50 @@ NICE = 19
 # One compute thread per test process when the parts run side by side, and passive waits where a test asks
 # for more (above).
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+# The free space one range environment's build is given (the most measured: 8.9 GiB at the lowest end,
+# 9.3 GiB at the highest, downloads and unpacked files together; tests/version_ranges.py), with room for
+# what the suite writes meanwhile.
+GIB = 2**30
+BUILD_ROOM = 11 * GIB
+
+
+class Disk:
+    """The free space under the checkout, and the range environments' builds under way: a build starts
+    beside others only where the space holds each of them (`BUILD_ROOM`)."""
+
+    def __init__(self, free=None):
+        self.free = free or (lambda: shutil.disk_usage(ROOT).free)
+        self.changed = threading.Condition()
+        self.building: set[str] = set()
+        self.waiting: set[str] = set()
+        self.start = self.least = self.free()
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def _watch(self) -> None:
+        while True:
+            self.least = min(self.least, self.free())
+            time.sleep(5)
+
+    @contextlib.contextmanager
+    def room(self, end: str, part: "Part", alone: bool = False):
+        """Hold `end`'s build until the space holds it beside the builds under way (`alone`: until no
+        other build is under way), then let it run."""
+        with self.changed:
+            since = time.monotonic()
+            while self.building and (alone or self.free() < BUILD_ROOM * (1 + len(self.building))):
+                self.waiting.add(end)
+                self.changed.wait(timeout=5)
+            if end in self.waiting:
+                self.waiting.discard(end)
+                part.notes.append(f"built once the other end's build was done ({time.monotonic() - since:.0f} s "
+                                  f"of waiting; {self.free() / GIB:.1f} GiB free then)")
+            self.building.add(end)
+        try:
+            yield
+        finally:
+            with self.changed:
+                self.building.discard(end)
+                self.changed.notify_all()
 
 
 class Part:
@@ -70,19 +122,22 @@ class Part:
         return (self.ended or time.monotonic()) - self.started
 
 
-def run_range(part: Part, end: str, quiet: bool) -> None:
+def run_range(part: Part, end: str, quiet: bool, disk: Disk) -> None:
     """Build the environment of one end of the ranges, then run its tests (output to a file when quiet)."""
     try:
         try:
-            python = version_ranges.build(end)
+            with disk.room(end, part):
+                python = version_ranges.build(end)
         except (version_ranges.PipFailed, subprocess.CalledProcessError) as error:
-            # A download cut off mid-way (the newest end fetches torch's several-GB PyPI build) is not
-            # a defect of the code under test: build once more, in a new environment (the failed one may
-            # hold a package half-installed) from the wheels pip already has, and say so.
-            part.notes.append(f"first build failed ({error}); building again")
+            # A download cut off mid-way (each end fetches torch's several-GB PyPI build), or a disk
+            # that filled while both ends were building, is not a defect of the code under test: build
+            # once more, in a new environment (the failed one may hold a package half-installed), once
+            # no other build is under way, and say so.
+            part.notes.append(f"first build failed ({error}; {disk.free() / GIB:.1f} GiB free); building again")
             print(f"{end} end: {part.notes[-1]}", flush=True)
             version_ranges.discard(end)
-            python = version_ranges.build(end)
+            with disk.room(end, part, alone=True):
+                python = version_ranges.build(end)
         part.built_s = time.monotonic() - part.started
         command = [str(python), "-m", "pytest", *version_ranges.TESTS]
         if quiet:
@@ -119,6 +174,7 @@ def main() -> int:
     args = parser.parse_args()
     begin = time.monotonic()
 
+    disk = Disk()
     suite = Part("suite")
     ranges = {end: Part(f"{end} end") for end in ENDS}
     threads = []
@@ -127,12 +183,12 @@ def main() -> int:
         suite.ended = time.monotonic()
         for end in ENDS:
             ranges[end].started = time.monotonic()
-            run_range(ranges[end], end, quiet=False)
+            run_range(ranges[end], end, False, disk)
     else:
         for name, value in ONE_THREAD.items():
             os.environ.setdefault(name, value)
         for end in ENDS:
-            thread = threading.Thread(target=run_range, args=(ranges[end], end, True), daemon=True)
+            thread = threading.Thread(target=run_range, args=(ranges[end], end, True, disk), daemon=True)
             thread.start()
             threads.append(thread)
         suite.code = subprocess.run([*pytest_command(args.coverage), "-n", str(args.workers), "--dist", "loadfile",
@@ -161,6 +217,8 @@ def main() -> int:
         print(f"  {part.name:>12}: {part.wall():7.0f}{built}; exit {part.code}", flush=True)
         for note in part.notes:
             print(f"  {'':>12}  {note}", flush=True)
+    print(f"  {'disk':>12}: {disk.start / GIB:.1f} GiB free under the checkout at the start, "
+          f"{disk.least / GIB:.1f} GiB at the least", flush=True)
     mode = "one after another" if args.serial else f"side by side, the suite on {args.workers} workers"
     print(f"  {'in all':>12}: {time.monotonic() - begin:7.0f} ({mode})", flush=True)
     return next((part.code for part in [suite, *ranges.values()] if part.code), 0)

@@ -19,6 +19,7 @@ from logprobe.engine.contract import Runner
 from logprobe.engine.core import EngineCore
 from logprobe.engine.host.request import SamplingParams, SequenceGroup
 from logprobe.engine.runners.model_runner import ModelRunner
+from logprobe.engine.runners.prompt_columns import drain
 
 ENGINE = Path(core.__file__).parent
 DECLARED = [name for name, value in vars(Runner).items() if inspect.isfunction(value) and not name.startswith("_")]
@@ -47,8 +48,8 @@ def test_both_runners_implement_the_contract(kind, runners):
 
 def test_the_core_refuses_a_runner_that_is_not_one():
     class Half:
-        def prefill_batch(self, groups):
-            pass
+        def prompt_pass(self, groups, hits):
+            yield from ()
 
     with pytest.raises(TypeError, match="runner contract"):
         EngineCore(Half(), None, None, [0])
@@ -113,7 +114,7 @@ def test_runners_hand_the_prompt_columns_over(kind, runners, tokenizer):
     scored = [SequenceGroup(f"s{i}", ids, SamplingParams(max_tokens=0, prompt_logprobs=2), table)
               for i, ids in enumerate([[1, 5, 6, 7, 8], [1, 9, 10]])]
     with torch.inference_mode():
-        runner.prefill_batch(scored)
+        drain(runner.prompt_pass(scored, None))
         assert all(g.prompt_columns is None for g in scored)
         handed = [runner.prompt_columns(g) for g in scored]
         assert [c.logprobs.shape for c in handed] == [(5,), (3,)]
@@ -128,7 +129,7 @@ def test_runners_hand_the_prompt_columns_over(kind, runners, tokenizer):
         assert columns.logprobs.shape == (7,) and np.isfinite(columns.logprobs[1:]).all()
         # a group released before its columns were taken leaves none behind
         dropped = SequenceGroup("d", [1, 5, 6], SamplingParams(max_tokens=0, prompt_logprobs=1), table)
-        runner.prefill_batch([dropped])
+        drain(runner.prompt_pass([dropped], None))
         for g in [*scored, generated, dropped]:
             runner.release(g)
         assert runner.prompt_columns(dropped) is None

@@ -46,15 +46,13 @@ class Runner(Protocol):
     prefix_cache: PrefixCache | None
 
     # ---- prompts ---------------------------------------------------------------------------
-    def prefill_batch(self, groups: list[SequenceGroup]) -> None:
-        """Prompt-only groups (max_tokens 0): make each one's prompt columns where it asks for them
-        (`prompt_columns` hands them over)."""
-
     def prompt_pass(self, groups: list[SequenceGroup], hits: list | None) -> Iterator[int]:
-        """`prefill_batch` as steps: the engine advances it a step at a time (next()), the runner
-        yielding where it may be paused (the padded positions a block just ran, 0 before a run of the
-        head; nowhere where not `interleaves`) and the pass done when it stops. Between two of its
-        steps the engine runs others (decode, prompts, other passes): the pass holds no state they touch.
+        """Prompt-only groups (max_tokens 0) in one pass that makes each one's prompt columns where it
+        asks for them (`prompt_columns` hands them over), as steps: the engine advances it a step at a
+        time (next()), the runner yielding where it may be paused (the padded positions a block just
+        ran, 0 before a run of the head; nowhere where not `interleaves`) and the pass done when it
+        stops. Between two of its steps the engine runs others (decode, prompts, other passes): the
+        pass holds no state they touch.
         `hits`: per group, its longest kept prefix (with hidden states) the engine found in its prefix
         index as the pass began, or None; None for all where the engine keeps no prefix cache."""
 
@@ -71,7 +69,7 @@ class Runner(Protocol):
 
     def prompt_columns(self, group: SequenceGroup) -> PromptColumns | None:
         """The columns the runner made of the group's prompt (None where it asks for none), handed over
-        once as the prompt is done (after `prefill_batch`, or the chunk that ends it): the host side
+        once as the prompt is done (after `prompt_pass`, or the chunk that ends it): the host side
         writes them on the group, the runner never does."""
 
     def cached_tokens(self, group: SequenceGroup) -> int:

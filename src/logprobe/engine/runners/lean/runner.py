@@ -243,7 +243,8 @@ class LeanRunner:
     # ---- prompts -------------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill_batch(self, groups: list[SequenceGroup]) -> None:
-        """`prompt_pass` run through."""
+        """`prompt_pass` run through, for a caller without the engine (tests, benchmarks): not the
+        runner contract's, which the engine's steps use."""
         drain(self.prompt_pass(groups))
 
     def prompt_pass(self, groups: list[SequenceGroup], hits: list | None = None) -> Iterator[int]:
