@@ -26,7 +26,7 @@ def oai(fake_client):
 def chat_twin(fake_client, messages, max_tokens, top_logprobs):
     body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "logprobs": True,
             "top_logprobs": top_logprobs}
-    answer = fake_client.post("/v1/chat/completions", json=body, timeout=60)
+    answer = fake_client.post("/v1/chat/completions", json=body)
     assert answer.status_code == 200, answer.text
     return answer.json()
 
@@ -121,7 +121,7 @@ def test_the_stream_is_openais_event_sequence(oai, fake_client):
 
 def test_the_stream_is_framed_as_named_events_without_done(fake_client):
     body = {"model": MODEL, "input": "Hi", "max_output_tokens": 2, "stream": True}
-    with fake_client.stream("POST", "/v1/responses", json=body, timeout=60) as answer:
+    with fake_client.stream("POST", "/v1/responses", json=body) as answer:
         raw = b"".join(answer.iter_bytes())
     assert answer.headers["content-type"].startswith("text/event-stream")
     blocks = [b for b in raw.split(b"\n\n") if b]
@@ -137,7 +137,7 @@ def test_a_failure_mid_stream_is_an_error_event(fake_client, fake_backend, monke
     monkeypatch.setattr(fake_backend, "fail_with", BackendUnavailable("the replica went away"))
     monkeypatch.setattr(fake_backend, "fail_after_steps", 2)
     body = {"model": MODEL, "input": "Hi", "max_output_tokens": 8, "stream": True}
-    with fake_client.stream("POST", "/v1/responses", json=body, timeout=60) as answer:
+    with fake_client.stream("POST", "/v1/responses", json=body) as answer:
         raw = b"".join(answer.iter_bytes())
     blocks = [orjson.loads(b.split(b"\n")[1][6:]) for b in raw.split(b"\n\n") if b]
     error = blocks[-1]
@@ -199,7 +199,7 @@ REFUSED = [
 @pytest.mark.parametrize("extra,param,message", REFUSED, ids=[r[1] + str(i) for i, r in enumerate(REFUSED)])
 def test_refusals_name_the_field(fake_client, fake_backend, extra, param, message):
     calls = len(fake_backend.calls)
-    answer = fake_client.post("/v1/responses", json={"model": MODEL, "input": "Hi", **extra}, timeout=60)
+    answer = fake_client.post("/v1/responses", json={"model": MODEL, "input": "Hi", **extra})
     assert answer.status_code == 400, answer.text
     error = answer.json()["error"]
     assert error["param"] == param and message in error["message"], error
@@ -207,7 +207,7 @@ def test_refusals_name_the_field(fake_client, fake_backend, extra, param, messag
 
 
 def test_missing_input_and_unknown_model(fake_client):
-    answer = fake_client.post("/v1/responses", json={"model": MODEL}, timeout=60)
+    answer = fake_client.post("/v1/responses", json={"model": MODEL})
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "input"
-    answer = fake_client.post("/v1/responses", json={"model": "nope", "input": "x"}, timeout=60)
+    answer = fake_client.post("/v1/responses", json={"model": "nope", "input": "x"})
     assert answer.status_code == 404
