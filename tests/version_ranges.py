@@ -183,7 +183,8 @@ def build(end: str) -> Path:
     version = subprocess.run([str(python), "-c", "import platform; print(platform.python_version())"],
                              check=True, capture_output=True, text=True).stdout.strip()
     print(f"tests at the {end} end of every range: Python {version}, "
-          + ", ".join(f"{name} {versions[name]}" for name in names), flush=True)
+          + ", ".join(f"{name} {versions[name]}" for name in names)
+          + f"; uninstalled once built: {', '.join(GPU_ONLY)} (GPU-only)", flush=True)
     return python
 
 

@@ -210,7 +210,6 @@ def test_the_first_class_goes_back_to_its_initial_slots(engine4, llama):
     """Eight rows fill the first class (4 positions: 8 slots), then all move on: its slots go back to 4
     while they decode, and each emptied class is let go."""
     engine = engine4
-    cache = engine.runner.cache
     engine.on_idle()
     seen = []
     groups = [make(engine, prompt(2, 40 + i), max_tokens=12, temperature=0) for i in range(8)]

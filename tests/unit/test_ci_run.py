@@ -60,7 +60,7 @@ def test_a_build_that_fails_twice_fails_the_run_with_its_reason(tmp_path, monkey
     assert part.notes[0].startswith("first build failed (highest: the environment was built") and len(part.notes) == 2
 
 
-def builds_side_by_side(ci, disk: "ci.Disk", retry: bool = False) -> list[str]:
+def builds_side_by_side(ci, disk, retry: bool = False) -> list[str]:
     """What happened, in order, when the lowest end's build held its room while the highest end's asked
     for its own (`retry`: the highest end's second build, which waits for no other to be under way)."""
     events, holding, let_go = [], threading.Event(), threading.Event()
@@ -82,7 +82,9 @@ def builds_side_by_side(ci, disk: "ci.Disk", retry: bool = False) -> list[str]:
     for thread in threads:
         thread.start()
     holding.wait()
+    give_up = time.monotonic() + 300  # bounds a hang (a build that neither starts nor waits), not a speed
     while "highest starts" not in events and "highest" not in disk.waiting:
+        assert time.monotonic() < give_up, "the highest end's build neither started nor waited"
         time.sleep(0.01)  # the highest end has either started or is waiting: nothing else can happen
     let_go.set()
     for thread in threads:
